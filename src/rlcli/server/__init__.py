@@ -1,0 +1,1 @@
+"""The ``torch`` backend: rlcli's own Tinker-API server (FastAPI + one engine process)."""

@@ -1,0 +1,41 @@
+"""``python -m rlcli.server``: run the torch backend in the foreground (what ``serve`` spawns)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rlcli.server")
+    parser.add_argument("--base-model", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--max-lora-rank", type=int, default=64)
+    parser.add_argument("--checkpoints-dir", default="")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    import uvicorn
+
+    from rlcli.models import resolve_model_name
+    from rlcli.server.app import Settings, create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = Settings(
+        base_model=resolve_model_name(args.base_model),
+        device=args.device,
+        dtype=args.dtype,
+        max_lora_rank=args.max_lora_rank,
+        checkpoints_dir=args.checkpoints_dir,
+        api_key=args.api_key,
+        threads=args.threads,
+    )
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

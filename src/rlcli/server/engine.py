@@ -1,0 +1,341 @@
+"""The compute engine: one base model, many LoRA adapters, every loss in one fused pass.
+
+``Engine`` is plain Python over transformers + peft and is usable in-process (the benchmarks
+compare against it). ``engine_main`` runs it in its own process behind two queues, so the HTTP
+layer (``app.py``) never waits on a forward pass. Requests run one at a time in arrival order,
+which is the order each tinker client submits them in.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlcli.server import losses
+from rlcli.server.wire import DatumArrays
+
+log = logging.getLogger("rlcli.engine")
+
+LORA_ALPHA = 32  # fixed, as on Tinker: the learning rate does not have to move with the rank
+MICROBATCH_TOKENS = 16384  # padded tokens per forward pass; bounds activation memory
+
+
+class UserError(ValueError):
+    """The request was wrong (not the server): reported to the client as a user error."""
+
+
+@dataclass
+class Adapter:
+    name: str
+    rank: int
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+    pending_grads: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def lora_target_modules(
+    model: torch.nn.Module, *, attn: bool, mlp: bool, unembed: bool
+) -> list[str]:
+    """Leaf names of the Linear layers to adapt, found by where they sit in the model.
+
+    Works for Llama/Qwen/Mistral-style names (q_proj, gate_proj, ...) and for any model whose
+    attention and MLP blocks have 'attn'/'attention' and 'mlp'/'feed_forward' in their paths.
+    """
+    names: set[str] = set()
+    output = model.get_output_embeddings()
+    for path, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        leaf = path.rsplit(".", 1)[-1]
+        parents = path.lower().split(".")[:-1]
+        in_attn = any("attn" in p or "attention" in p for p in parents)
+        in_mlp = any("mlp" in p or "feed_forward" in p for p in parents)
+        wanted = unembed if module is output else (attn and in_attn) or (mlp and in_mlp)
+        if wanted:
+            names.add(leaf)
+    return sorted(names)
+
+
+class Engine:
+    def __init__(
+        self,
+        base_model: str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_lora_rank: int = 64,
+    ) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.base_model = base_model
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.max_lora_rank = max_lora_rank
+        config = AutoConfig.from_pretrained(base_model)
+        self.model = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
+        self.model.to(self.device)
+        self.model.eval()  # no dropout: logprobs must match between forward and sampling
+        self.model.requires_grad_(False)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_context = int(getattr(config, "max_position_embeddings", 0) or 0) or 32768
+        self.peft = None  # the PeftModel, once the first adapter exists
+        self.adapters: dict[str, Adapter] = {}
+
+    # ---- adapters -----------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        return {
+            "base_model": self.base_model,
+            "vocab_size": self.vocab_size,
+            "max_context": self.max_context,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "max_lora_rank": self.max_lora_rank,
+            "losses": sorted(losses.LOSSES),
+        }
+
+    def create_adapter(
+        self,
+        name: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+    ) -> dict[str, Any]:
+        from peft import LoraConfig, get_peft_model
+
+        if name in self.adapters:
+            raise UserError(f"model_id {name!r} already exists")
+        if not 1 <= rank <= self.max_lora_rank:
+            raise UserError(f"lora_config.rank: {rank} is outside 1..{self.max_lora_rank}")
+        base = self.peft.get_base_model() if self.peft is not None else self.model
+        targets = lora_target_modules(base, attn=train_attn, mlp=train_mlp, unembed=train_unembed)
+        if not targets:
+            raise UserError("lora_config: no layers selected (train_mlp/attn/unembed all off?)")
+        config = LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
+            if self.peft is None:
+                self.peft = get_peft_model(self.model, config, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, config)
+        params = [p for n, p in self.peft.named_parameters() if "lora_" in n and f".{name}." in n]
+        for p in params:
+            p.requires_grad_(True)
+        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
+        self.adapters[name] = Adapter(
+            name, rank, train_mlp, train_attn, train_unembed, params, optimizer
+        )
+        return {"model_id": name, "trainable_params": sum(p.numel() for p in params)}
+
+    def remove_adapter(self, name: str) -> dict[str, Any]:
+        if self.adapters.pop(name, None) is None:
+            raise UserError(f"unknown model_id {name!r}")
+        if self.adapters:
+            self.peft.delete_adapter(name)
+        else:  # peft cannot delete its last adapter: unwrap back to the bare base model
+            self.model = self.peft.unload()
+            self.peft = None
+        return {"model_id": name}
+
+    def _activate(self, name: str | None) -> torch.nn.Module:
+        """The module to run: the base model (``None``) or the base with one adapter on."""
+        if name is None:
+            if self.peft is None:
+                return self.model
+            return _BaseOnly(self.peft)
+        if name not in self.adapters:
+            raise UserError(f"unknown model_id {name!r}")
+        self.peft.set_adapter(name)
+        return self.peft
+
+    # ---- forward / backward ----------------------------------------------------------------
+    def forward_backward(
+        self,
+        model_id: str,
+        data: list[DatumArrays],
+        loss_fn: str,
+        loss_fn_config: dict[str, float] | None = None,
+        forward_only: bool = False,
+    ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        """Run the loss over ``data`` in one forward (+ one backward) pass per micro-batch.
+
+        Losses are sums over tokens, so micro-batches accumulate exactly; the gradients stay on
+        the adapter until ``optim_step``.
+        """
+        spec = losses.LOSSES.get(loss_fn)
+        if spec is None:
+            raise UserError(losses.unknown_loss_message(loss_fn))
+        config = spec.resolve_config(loss_fn_config or {})
+        module = self._activate(model_id)
+        outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
+        total_loss = 0.0
+        metric_sums: dict[str, float] = {}
+        for idx in _microbatches([len(d.tokens) for d in data], MICROBATCH_TOKENS):
+            batch = [data[i] for i in idx]
+            with torch.set_grad_enabled(not forward_only):
+                logp, mask, inputs = self._target_logprobs(module, batch, spec.inputs)
+                result = spec.fn(logp, inputs, mask, config)
+                if not forward_only:
+                    result.loss.backward()
+            total_loss += float(result.loss.detach())
+            for key, value in result.metrics.items():
+                metric_sums[key] = metric_sums.get(key, 0.0) + value
+            logp_np = logp.detach().float().cpu().numpy()
+            elementwise = result.elementwise.detach().float().cpu().numpy()
+            for row, i in enumerate(idx):
+                n = len(data[i].tokens)
+                outputs[i] = {
+                    "logprobs": logp_np[row, :n],
+                    "elementwise_loss": elementwise[row, :n],
+                }
+        if not forward_only:
+            self.adapters[model_id].pending_grads = True
+        metrics = {"loss:sum": total_loss}
+        metrics.update({f"{k}:sum": v for k, v in metric_sums.items()})
+        return outputs, metrics
+
+    def _target_logprobs(
+        self, module: torch.nn.Module, batch: list[DatumArrays], input_names: tuple[str, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Right-padded batch -> per-token log p(target) [B, T], validity mask, loss inputs."""
+        width = max(len(d.tokens) for d in batch)
+        tokens = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.bool)
+        inputs = {name: torch.zeros(len(batch), width) for name in input_names}
+        targets = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, d in enumerate(batch):
+            n = len(d.tokens)
+            tokens[row, :n] = torch.from_numpy(d.tokens)
+            mask[row, :n] = True
+            targets[row, :n] = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
+            for name in input_names:
+                if name in d.inputs:
+                    inputs[name][row, :n] = torch.from_numpy(d.inputs[name].astype(np.float32))
+        dev = self.device
+        tokens, mask, targets = tokens.to(dev), mask.to(dev), targets.to(dev)
+        inputs = {k: v.to(dev) for k, v in inputs.items()}
+        logits = module(input_ids=tokens, attention_mask=mask.long()).logits.float()
+        logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+        return logp * mask, mask, inputs
+
+    def optim_step(
+        self,
+        model_id: str,
+        learning_rate: float = 1e-4,
+        beta1: float = 0.9,
+        beta2: float = 0.95,
+        eps: float = 1e-12,
+        weight_decay: float = 0.0,
+        grad_clip_norm: float = 0.0,
+    ) -> dict[str, float]:
+        """AdamW (torch's, decoupled weight decay) on the adapter's accumulated gradients."""
+        adapter = self.adapters.get(model_id)
+        if adapter is None:
+            raise UserError(f"unknown model_id {model_id!r}")
+        for group in adapter.optimizer.param_groups:
+            group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+        max_norm = grad_clip_norm if grad_clip_norm > 0 else math.inf
+        grads = [p for p in adapter.params if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        adapter.optimizer.step()
+        adapter.optimizer.zero_grad(set_to_none=True)
+        adapter.steps += 1
+        adapter.pending_grads = False
+        return {"grad_norm:mean": grad_norm, "learning_rate:mean": learning_rate}
+
+
+class _BaseOnly(torch.nn.Module):
+    """Runs a PeftModel with every adapter disabled: the plain base model."""
+
+    def __init__(self, peft_model) -> None:
+        super().__init__()
+        self.peft_model = peft_model
+
+    def forward(self, **kwargs):
+        with self.peft_model.disable_adapter():
+            return self.peft_model(**kwargs)
+
+
+def _microbatches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Group datum indices so each group's padded size (rows x longest) stays within budget."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        width = lengths[current[0]] if current else lengths[i]
+        if current and (len(current) + 1) * width > budget:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+# ---- the engine process ------------------------------------------------------------------
+
+
+def engine_main(settings: dict[str, Any], requests, results) -> None:
+    """Process entry point: build the engine, then serve ``(request_id, op, kwargs)`` forever.
+
+    Replies are ``(request_id, "ok", value)`` or ``(request_id, "user"|"server", message)``.
+    The first reply is ``("__ready__", "ok", info)`` or ``("__ready__", "server", why)``.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
+    torch.set_num_threads(settings.get("threads") or torch.get_num_threads())
+    try:
+        engine = Engine(
+            settings["base_model"],
+            device=settings.get("device", "auto"),
+            dtype=settings.get("dtype", "auto"),
+            max_lora_rank=settings.get("max_lora_rank", 64),
+        )
+    except Exception as e:
+        log.error("engine failed to start:\n%s", traceback.format_exc())
+        results.put(("__ready__", "server", f"{type(e).__name__}: {e}"))
+        return
+    results.put(("__ready__", "ok", engine.info()))
+    log.info("engine ready: %s", engine.info())
+    while True:
+        item = requests.get()
+        if item is None:
+            return
+        request_id, op, kwargs = item
+        started = time.perf_counter()
+        try:
+            value = getattr(engine, op)(**kwargs)
+            results.put((request_id, "ok", value))
+        except UserError as e:
+            results.put((request_id, "user", str(e)))
+        except Exception as e:
+            log.error("%s failed:\n%s", op, traceback.format_exc())
+            results.put((request_id, "server", f"{type(e).__name__}: {e}"))
+        log.debug("%s %s took %.3fs", op, request_id, time.perf_counter() - started)

@@ -1,0 +1,76 @@
+"""Checks on a decoded request before it reaches the engine, so bad input answers 400 at once
+with the field named (``data[3].loss_fn_inputs.advantages: ...``) and the engine never sees it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlcli.server import losses
+from rlcli.server.wire import FwdBwdRequest
+
+# Keys some clients send alongside the loss inputs and that no loss reads (the cookbook's RL
+# datums carry "mask" until it strips them); accepted and ignored rather than refused.
+IGNORED_INPUTS = {"mask"}
+
+
+class RequestError(ValueError):
+    """Invalid request; the message names the field. Answered as HTTP 400."""
+
+
+def validate_forward_backward(req: FwdBwdRequest, vocab_size: int, max_context: int) -> None:
+    spec = losses.LOSSES.get(req.loss_fn)
+    if spec is None:
+        raise RequestError(losses.unknown_loss_message(req.loss_fn))
+    try:
+        spec.resolve_config(req.loss_fn_config)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    if not req.data:
+        raise RequestError("data: empty; send at least one datum")
+    allowed = {"target_tokens", *spec.inputs}
+    for i, datum in enumerate(req.data):
+        where = f"data[{i}]"
+        n = len(datum.tokens)
+        if n == 0:
+            raise RequestError(f"{where}.model_input: empty; a datum needs at least one token")
+        if n > max_context:
+            raise RequestError(
+                f"{where}.model_input: {n} tokens exceeds the model's context of {max_context}"
+            )
+        _check_token_ids(datum.tokens, vocab_size, f"{where}.model_input")
+        for name in ("target_tokens", *spec.required):
+            if name not in datum.inputs:
+                raise RequestError(
+                    f"{where}.loss_fn_inputs.{name}: missing; loss {req.loss_fn!r} needs "
+                    f"{', '.join(('target_tokens', *spec.required))}"
+                )
+        for name, arr in datum.inputs.items():
+            field = f"{where}.loss_fn_inputs.{name}"
+            if name in IGNORED_INPUTS:
+                continue
+            if name not in allowed:
+                raise RequestError(
+                    f"{field}: not an input of loss {req.loss_fn!r} "
+                    f"(it takes {', '.join(sorted(allowed))})"
+                )
+            if arr.ndim != 1 or arr.shape[0] != n:
+                raise RequestError(
+                    f"{field}: shape {list(arr.shape)}, expected [{n}] "
+                    "(one value per model_input token)"
+                )
+            if name == "target_tokens":
+                _check_token_ids(arr, vocab_size, field)
+            elif not np.all(np.isfinite(arr)):
+                raise RequestError(f"{field}: contains NaN or infinity")
+
+
+def _check_token_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:
+    if ids.dtype.kind == "f" and not np.all(ids == np.round(ids)):
+        raise RequestError(f"{field}: token ids must be integers")
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        pos = int(bad[0])
+        raise RequestError(
+            f"{field}[{pos}]: token id {int(ids[pos])} is outside the vocabulary "
+            f"(0..{vocab_size - 1})"
+        )

@@ -1,0 +1,145 @@
+"""Wire codecs: the protobuf bodies of the pinned tinker client, to and from plain numpy.
+
+The client sends ``forward_backward`` (and ``forward``) as ``tinker_public.ForwardBackwardRequest``
+protobuf and asks for ``ForwardBackwardOutput`` and ``SampleResponse`` as protobuf (``Accept:
+application/x-protobuf``). We reuse the generated classes shipped inside ``tinker`` (via
+``rlcli.compat``) instead of redefining the schema. Everything past this module sees numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlcli.compat import public_pb
+
+PROTO_CONTENT_TYPE = "application/x-protobuf"
+
+
+class WireError(ValueError):
+    """A request body that cannot be decoded; the message names the field."""
+
+
+@dataclass
+class DatumArrays:
+    tokens: np.ndarray  # int64 [N], the model input
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)  # loss_fn_inputs, each [N]
+
+
+@dataclass
+class FwdBwdRequest:
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: dict[str, float]
+    forward_only: bool
+    data: list[DatumArrays]
+
+
+_DTYPES = {
+    public_pb.DTYPE_FLOAT32: np.float32,
+    public_pb.DTYPE_INT64: np.int64,
+    public_pb.DTYPE_INT32: np.int32,
+}
+
+
+def _decode_tensor(msg, where: str) -> np.ndarray:
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise WireError(f"{where}: unsupported dtype {msg.dtype}")
+    shape = list(msg.shape)
+    kind = msg.WhichOneof("encoding")
+    if kind == "sparse_csr":
+        if len(shape) != 2:
+            raise WireError(f"{where}: a sparse tensor needs a 2-d shape, got {shape}")
+        values = np.frombuffer(msg.sparse_csr.values, dtype=dtype)
+        crow = np.frombuffer(msg.sparse_csr.crow_indices, dtype=np.int64)
+        col = np.frombuffer(msg.sparse_csr.col_indices, dtype=np.int64)
+        if len(crow) != shape[0] + 1 or len(col) != len(values):
+            raise WireError(f"{where}: inconsistent sparse CSR indices")
+        dense = np.zeros(shape, dtype=dtype)
+        for row in range(shape[0]):
+            start, end = crow[row], crow[row + 1]
+            dense[row, col[start:end]] = values[start:end]
+        return dense
+    raw = msg.dense if kind == "dense" else b""
+    if len(raw) % np.dtype(dtype).itemsize:
+        raise WireError(f"{where}: {len(raw)} bytes is not a whole number of elements")
+    arr = np.frombuffer(raw, dtype=dtype)
+    if shape:
+        if int(np.prod(shape)) != arr.size:
+            raise WireError(f"{where}: shape {shape} does not match {arr.size} elements")
+        arr = arr.reshape(shape)
+    return arr
+
+
+def decode_forward_backward(body: bytes) -> FwdBwdRequest:
+    msg = public_pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as e:  # protobuf raises its own DecodeError
+        raise WireError(f"body: not a ForwardBackwardRequest protobuf ({e})") from None
+    data = []
+    for i, datum in enumerate(msg.data):
+        pieces = []
+        for j, chunk in enumerate(datum.model_input):
+            kind = chunk.WhichOneof("chunk")
+            if kind != "encoded_text":
+                raise WireError(
+                    f"data[{i}].model_input.chunks[{j}]: {kind or 'empty'} chunks are not "
+                    "supported (text tokens only)"
+                )
+            pieces.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
+        tokens = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
+        inputs = {
+            name: _decode_tensor(tensor, f"data[{i}].loss_fn_inputs.{name}")
+            for name, tensor in datum.loss_fn_inputs.items()
+        }
+        data.append(DatumArrays(tokens=tokens, inputs=inputs))
+    return FwdBwdRequest(
+        model_id=msg.model_id,
+        seq_id=msg.seq_id,
+        loss_fn=msg.loss_fn,
+        loss_fn_config={k: float(v) for k, v in msg.loss_fn_config.items()},
+        forward_only=msg.forward_only,
+        data=data,
+    )
+
+
+def encode_forward_backward_output(
+    outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]
+) -> bytes:
+    """One batched ``ArrayRecord``: per field, the datums' arrays concatenated with byte offsets."""
+    msg = public_pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    for key, value in metrics.items():
+        msg.metrics[key] = float(value)
+    record = msg.loss_fn_outputs.add()
+    record.type_tag = "ArrayRecord"
+    record.num_datums = len(outputs)
+    names = outputs[0].keys() if outputs else []
+    for name in names:
+        arrays = [np.ascontiguousarray(out[name], dtype=np.float32) for out in outputs]
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+        bt = record.fields[name]
+        bt.data = b"".join(a.tobytes() for a in arrays)
+        bt.offsets = offsets.tobytes()
+        bt.dtype = public_pb.DTYPE_FLOAT32
+    return msg.SerializeToString()
+
+
+def forward_backward_output_json(
+    outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]
+) -> dict:
+    """The JSON shape of the same result, for clients that do not ask for protobuf."""
+    return {
+        "loss_fn_output_type": "ArrayRecord",
+        "loss_fn_outputs": [
+            {
+                name: {"data": arr.astype(float).tolist(), "dtype": "float32", "shape": [arr.size]}
+                for name, arr in out.items()
+            }
+            for out in outputs
+        ],
+        "metrics": metrics,
+    }
