@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -15,7 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--max-lora-rank", type=int, default=64)
     parser.add_argument("--checkpoints-dir", default="")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", default=os.environ.get("RLCLI_SERVER_API_KEY"))
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import queue
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -324,8 +326,14 @@ def engine_main(settings: dict[str, Any], requests, results) -> None:
         return
     results.put(("__ready__", "ok", engine.info()))
     log.info("engine ready: %s", engine.info())
+    parent = os.getppid()
     while True:
-        item = requests.get()
+        try:
+            item = requests.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the HTTP process died without telling us
+                return
+            continue
         if item is None:
             return
         request_id, op, kwargs = item

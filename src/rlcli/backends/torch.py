@@ -1,0 +1,54 @@
+"""The ``torch`` backend: rlcli's own server, run as ``python -m rlcli.server``."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlcli.errors import RlcliError
+from rlcli.models import is_local_model, resolve_model_name
+
+
+@dataclass
+class TorchServerOptions:
+    base_model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"
+    dtype: str = "auto"
+    max_lora_rank: int = 64
+    checkpoints_dir: str = ""
+    api_key: str | None = None
+
+
+def check_base_model(name: str) -> str:
+    """A local model folder (resolved to an absolute path) or something shaped like a hub id."""
+    if is_local_model(name):
+        return resolve_model_name(name)
+    path = Path(name).expanduser()
+    if path.exists():
+        raise RlcliError(f"--base-model {name}: {path} has no config.json (not a model folder)")
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise RlcliError(
+            f"--base-model {name}: no such folder, and not a hub id of the form org/name"
+        )
+    return name
+
+
+def server_command(options: TorchServerOptions) -> list[str]:
+    command = [
+        sys.executable, "-m", "rlcli.server",
+        "--base-model", options.base_model,
+        "--host", options.host,
+        "--port", str(options.port),
+        "--device", options.device,
+        "--dtype", options.dtype,
+        "--max-lora-rank", str(options.max_lora_rank),
+    ]  # fmt: skip
+    if options.checkpoints_dir:
+        command += ["--checkpoints-dir", options.checkpoints_dir]
+    return command  # the API key travels in the environment (API_KEY_ENV), not in `ps`
+
+
+API_KEY_ENV = "RLCLI_SERVER_API_KEY"

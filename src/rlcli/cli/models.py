@@ -1,0 +1,28 @@
+"""``rlcli models``: base models that work offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from rlcli.cli._output import emit, info
+
+app = typer.Typer(help="Base models: build the tiny offline test model.", no_args_is_help=True)
+
+
+@app.command("tiny")
+def tiny(
+    path: Path = typer.Argument(..., help="Folder to write the model and tokenizer into."),
+    seed: int = typer.Option(0, help="Seed for the weights and the tokenizer corpus."),
+    hidden_size: int = typer.Option(64, help="Width of the model."),
+    layers: int = typer.Option(2, help="Number of transformer layers."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Build a tiny Qwen3 model (a few hundred thousand parameters) with a locally trained
+    tokenizer and a ChatML chat template. No download; use it to smoke-test an install."""
+    from rlcli.models import build_tiny_model
+
+    info(f"building a tiny model in {path} ...")
+    out = build_tiny_model(path, seed=seed, hidden_size=hidden_size, num_layers=layers)
+    emit({"path": str(out), "serve": f"rlcli serve start --base-model {out}"}, as_json=as_json)

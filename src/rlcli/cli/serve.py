@@ -1,0 +1,195 @@
+"""``rlcli serve``: run a Tinker-API training server on this machine."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from rlcli.cli._output import emit, info
+from rlcli.errors import RlcliError
+
+app = typer.Typer(help="Run a Tinker-API training server on this machine.", no_args_is_help=True)
+
+BACKENDS = ("torch",)
+
+
+def _home() -> Path:
+    from rlcli.home import rlcli_home
+
+    home = rlcli_home()
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+@app.command("start")
+def start(
+    base_model: str = typer.Option(
+        ..., "--base-model", "-m", help="Hub id (org/name) or a local model folder."
+    ),
+    backend: str = typer.Option("torch", help="Server backend: torch (embedded, one device)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes it."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    device: str = typer.Option("auto", help="auto | cpu | cuda."),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 (auto: bf16 on GPU)."),
+    max_lora_rank: int = typer.Option(64, help="Largest LoRA rank a client may ask for."),
+    checkpoints_dir: Path = typer.Option(
+        None, help="Where checkpoints live (default $RLCLI_HOME/checkpoints)."
+    ),
+    api_key: str = typer.Option(
+        None, help="Accept only this X-API-Key (default: any key).", envvar="RLCLI_SERVER_API_KEY"
+    ),
+    wait: float = typer.Option(300, help="Seconds to wait for the server to become healthy."),
+    foreground: bool = typer.Option(
+        False, "--foreground", help="Run in this process (for containers and process managers)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Start a server in the background, wait until it is healthy and print its base URL."""
+    from rlcli.backends import process
+    from rlcli.backends.torch import (
+        API_KEY_ENV,
+        TorchServerOptions,
+        check_base_model,
+        server_command,
+    )
+
+    if backend not in BACKENDS:
+        raise RlcliError(f"--backend {backend}: unknown backend; choose from {', '.join(BACKENDS)}")
+    for flag, value, choices in (
+        ("--device", device, ("auto", "cpu", "cuda")),
+        ("--dtype", dtype, ("auto", "float32", "bfloat16")),
+    ):
+        if value not in choices:
+            raise RlcliError(f"{flag} {value}: choose from {', '.join(choices)}")
+    if api_key and not api_key.startswith("tml-"):
+        raise RlcliError("--api-key: tinker clients only send keys that start with 'tml-'")
+    home = _home()
+    options = TorchServerOptions(
+        base_model=check_base_model(base_model),
+        host=host,
+        port=port,
+        device=device,
+        dtype=dtype,
+        max_lora_rank=max_lora_rank,
+        checkpoints_dir=str((checkpoints_dir or home / "checkpoints").expanduser().resolve()),
+    )
+    command = server_command(options)
+    env = {API_KEY_ENV: api_key} if api_key else {}
+    if foreground:
+        process.check_port_free(host, port)
+        os.execve(sys.executable, command, {**os.environ, **env})
+    info(f"starting the {backend} server for {options.base_model} on {host}:{port} ...")
+    record, healthy = process.start_detached(
+        home,
+        command,
+        host=host,
+        port=port,
+        base_model=options.base_model,
+        backend=backend,
+        wait=wait,
+        env=env,
+    )
+    result = {
+        "base_url": record.base_url,
+        "pid": record.pid,
+        "healthy": healthy,
+        "log": record.log_path,
+    }
+    if as_json:
+        emit(result, as_json=True)
+    elif healthy:
+        info(f"ready (pid {record.pid}); logs: rlcli serve logs; stop: rlcli serve stop")
+        print(record.base_url)
+    else:
+        info(
+            f"still starting after {wait:.0f}s (pid {record.pid}); "
+            "check `rlcli serve status` and `rlcli serve logs`"
+        )
+        print(record.base_url)
+
+
+@app.command("stop")
+def stop(
+    grace: float = typer.Option(15, help="Seconds to wait after SIGTERM before SIGKILL."),
+) -> None:
+    """Stop the running server: gracefully, then forced."""
+    from rlcli.backends import process
+
+    record, how = process.stop(_home(), grace=grace)
+    if how == "not running":
+        info("no server is running; nothing to stop")
+    elif how == "stale":
+        info(f"no server is running (cleaned up the record of exited pid {record.pid})")
+    else:
+        info(f"{how} the server (pid {record.pid}, {record.base_url})")
+
+
+@app.command("status")
+def status(as_json: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+    """Is a server running here? Health, pid, port, model, backend, uptime."""
+    import httpx
+
+    from rlcli.backends import process
+
+    record, stale = process.live_record(_home())
+    if record is None:
+        result = {"running": False}
+        if stale:
+            result["cleaned_up_stale_pid"] = stale.pid
+        emit(result, as_json=as_json)
+        raise typer.Exit(3)  # like `systemctl status`: 3 means not running
+    healthy, detail = process.health(record.base_url)
+    result = {
+        "running": True,
+        "healthy": healthy,
+        "detail": detail,
+        "pid": record.pid,
+        "base_url": record.base_url,
+        "port": record.port,
+        "base_model": record.base_model,
+        "backend": record.backend,
+        "uptime_s": round(time.time() - record.started_at, 1),
+        "log": record.log_path,
+    }
+    try:
+        server = httpx.get(f"{record.base_url}/rlcli/status", timeout=2).json()
+        engine = server.get("engine") or {}
+        result.update(
+            device=engine.get("device"),
+            dtype=engine.get("dtype"),
+            training_clients=server.get("models"),
+            pending_requests=server.get("pending_requests"),
+        )
+    except (httpx.HTTPError, ValueError):
+        pass
+    emit(result, as_json=as_json)
+
+
+@app.command("logs")
+def logs(
+    lines: int = typer.Option(50, "-n", "--lines", help="How many lines from the end."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines."),
+) -> None:
+    """Print the server log."""
+    from rlcli.backends import process
+
+    path = process.log_path(_home())
+    if not path.exists():
+        raise RlcliError(f"no server log yet at {path}; start one with `rlcli serve start`")
+    for line in process.tail(path, lines):
+        print(line)
+    if not follow:
+        return
+    with path.open(errors="replace") as f:
+        f.seek(0, os.SEEK_END)
+        while True:
+            line = f.readline()
+            if line:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            else:
+                time.sleep(0.3)
