@@ -62,27 +62,27 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
-def lora_target_modules(
-    model: torch.nn.Module, *, attn: bool, mlp: bool, unembed: bool
-) -> list[str]:
-    """Leaf names of the Linear layers to adapt, found by where they sit in the model.
+def lora_layer_groups(model: torch.nn.Module) -> dict[str, set[str]]:
+    """Leaf names of the Linear layers LoRA can adapt, grouped as attn / mlp / unembed.
 
-    Works for Llama/Qwen/Mistral-style names (q_proj, gate_proj, ...) and for any model whose
-    attention and MLP blocks have 'attn'/'attention' and 'mlp'/'feed_forward' in their paths.
+    Found by where each layer sits, so it works for Llama/Qwen/Mistral-style names (q_proj,
+    gate_proj, ...) and for any model whose blocks have 'attn'/'attention' and
+    'mlp'/'feed_forward' in their paths.
     """
-    names: set[str] = set()
+    groups: dict[str, set[str]] = {"attn": set(), "mlp": set(), "unembed": set()}
     output = model.get_output_embeddings()
     for path, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
         leaf = path.rsplit(".", 1)[-1]
         parents = path.lower().split(".")[:-1]
-        in_attn = any("attn" in p or "attention" in p for p in parents)
-        in_mlp = any("mlp" in p or "feed_forward" in p for p in parents)
-        wanted = unembed if module is output else (attn and in_attn) or (mlp and in_mlp)
-        if wanted:
-            names.add(leaf)
-    return sorted(names)
+        if module is output:
+            groups["unembed"].add(leaf)
+        elif any("attn" in p or "attention" in p for p in parents):
+            groups["attn"].add(leaf)
+        elif any("mlp" in p or "feed_forward" in p for p in parents):
+            groups["mlp"].add(leaf)
+    return groups
 
 
 class Engine:
@@ -107,6 +107,7 @@ class Engine:
         self.model.requires_grad_(False)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 0) or 32768
+        self.layer_groups = lora_layer_groups(self.model)  # before peft wraps any layer
         self.peft = None  # the PeftModel, once the first adapter exists
         self.adapters: dict[str, Adapter] = {}
 
@@ -137,8 +138,8 @@ class Engine:
             raise UserError(f"model_id {name!r} already exists")
         if not 1 <= rank <= self.max_lora_rank:
             raise UserError(f"lora_config.rank: {rank} is outside 1..{self.max_lora_rank}")
-        base = self.peft.get_base_model() if self.peft is not None else self.model
-        targets = lora_target_modules(base, attn=train_attn, mlp=train_mlp, unembed=train_unembed)
+        wanted = {"attn": train_attn, "mlp": train_mlp, "unembed": train_unembed}
+        targets = sorted(set().union(*(self.layer_groups[g] for g, on in wanted.items() if on)))
         if not targets:
             raise UserError("lora_config: no layers selected (train_mlp/attn/unembed all off?)")
         config = LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets)
@@ -231,16 +232,16 @@ class Engine:
         width = max(len(d.tokens) for d in batch)
         tokens = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.bool)
-        inputs = {name: torch.zeros(len(batch), width) for name in input_names}
+        present = [name for name in input_names if name in batch[0].inputs]
+        inputs = {name: torch.zeros(len(batch), width) for name in present}
         targets = torch.zeros(len(batch), width, dtype=torch.long)
         for row, d in enumerate(batch):
             n = len(d.tokens)
             tokens[row, :n] = torch.from_numpy(d.tokens)
             mask[row, :n] = True
             targets[row, :n] = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
-            for name in input_names:
-                if name in d.inputs:
-                    inputs[name][row, :n] = torch.from_numpy(d.inputs[name].astype(np.float32))
+            for name in present:
+                inputs[name][row, :n] = torch.from_numpy(d.inputs[name].astype(np.float32))
         dev = self.device
         tokens, mask, targets = tokens.to(dev), mask.to(dev), targets.to(dev)
         inputs = {k: v.to(dev) for k, v in inputs.items()}

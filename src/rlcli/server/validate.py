@@ -44,6 +44,13 @@ def validate_forward_backward(req: FwdBwdRequest, vocab_size: int, max_context: 
                     f"{where}.loss_fn_inputs.{name}: missing; loss {req.loss_fn!r} needs "
                     f"{', '.join(('target_tokens', *spec.required))}"
                 )
+        for name in spec.optional:  # all datums carry an optional input, or none does
+            if (name in datum.inputs) != (name in req.data[0].inputs):
+                has, lacks = (i, 0) if name in datum.inputs else (0, i)
+                raise RequestError(
+                    f"data[{lacks}].loss_fn_inputs.{name}: missing, but data[{has}] has it; "
+                    "send it for every datum or for none"
+                )
         for name, arr in datum.inputs.items():
             field = f"{where}.loss_fn_inputs.{name}"
             if name in IGNORED_INPUTS:

@@ -1,0 +1,58 @@
+"""Shared fixtures: the tiny model (built once) and a real server process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")  # tests talk to our server only
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from rlcli.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+def start_server(home: Path, model: Path, **options):
+    """Start the torch backend through the same code path as `rlcli serve start`."""
+    from rlcli.backends import process
+    from rlcli.backends.torch import API_KEY_ENV, TorchServerOptions, server_command
+    from rlcli.demo import free_port
+
+    api_key = options.pop("api_key", None)
+    port = free_port()
+    opts = TorchServerOptions(base_model=str(model), port=port, device="cpu", **options)
+    record, healthy = process.start_detached(
+        home,
+        server_command(opts),
+        host="127.0.0.1",
+        port=port,
+        base_model=str(model),
+        backend="torch",
+        wait=120,
+        env={API_KEY_ENV: api_key} if api_key else None,
+    )
+    assert healthy, Path(record.log_path).read_text()[-3000:]
+    return record
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, tiny_model):
+    """One server for the whole session (a start costs seconds); tests use their own clients."""
+    from rlcli.backends import process
+
+    home = tmp_path_factory.mktemp("server-home")
+    record = start_server(home, tiny_model)
+    yield record
+    process.stop(home)
+
+
+@pytest.fixture(scope="session")
+def service(server):
+    import tinker
+
+    return tinker.ServiceClient(base_url=server.base_url, api_key="tml-dummy")
