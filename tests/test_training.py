@@ -169,9 +169,7 @@ def test_fused_loss_matches_two_pass_forward_backward_custom(
     )
     assert fused_norm > 0
     assert fused_norm == pytest.approx(custom_norm, rel=1e-3)
-    for a, b in zip(
-        _forward_logprobs(fused, seqs), _forward_logprobs(two_pass, seqs), strict=True
-    ):
+    for a, b in zip(_forward_logprobs(fused, seqs), _forward_logprobs(two_pass, seqs), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-4)
 
 

@@ -125,7 +125,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        guarded = settings.api_key and request.url.path.startswith("/api/v1/")
+        path = request.url.path  # health stays open: probes and `serve status` carry no key
+        guarded = settings.api_key and path.startswith("/api/v1/") and path != "/api/v1/healthz"
         if guarded and request.headers.get("x-api-key") != settings.api_key:
             return JSONResponse({"detail": "X-API-Key: wrong or missing API key"}, 401)
         return await call_next(request)
