@@ -115,3 +115,12 @@ def test_help_is_fast_and_does_not_import_torch(home):
     assert out.stdout.strip() == "False"
     result = rlcli(home, "--help")
     assert result.returncode == 0 and "serve" in result.stdout
+
+
+def test_demo_trains_through_a_real_server_and_cleans_up(home):
+    result = rlcli(home, "demo", "--steps", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["steps"] == 4 and summary["last_loss"] < summary["first_loss"]
+    assert "server stopped" in result.stderr
+    assert not (home / "demo" / "server.json").exists()
