@@ -1,0 +1,51 @@
+"""Shared by the benchmark scripts: machine facts, versions, and writing a JSON receipt."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine() -> dict:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+    }
+
+
+def summary(samples: list[float]) -> dict:
+    return {
+        "median": statistics.median(samples),
+        "mean": statistics.fmean(samples),
+        "min": min(samples),
+        "max": max(samples),
+        "n": len(samples),
+    }
+
+
+def write(name: str, payload: dict) -> Path:
+    from rlcli.compat import installed_versions
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    receipt = {
+        "benchmark": name,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(),
+        "versions": installed_versions(),
+        **payload,
+    }
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(receipt, indent=2) + "\n")
+    return path
