@@ -20,6 +20,7 @@ class TorchServerOptions:
     max_lora_rank: int = 64
     checkpoints_dir: str = ""
     api_key: str | None = None
+    session_timeout: float = 300.0
 
 
 def check_base_model(name: str) -> str:
@@ -45,6 +46,7 @@ def server_command(options: TorchServerOptions) -> list[str]:
         "--device", options.device,
         "--dtype", options.dtype,
         "--max-lora-rank", str(options.max_lora_rank),
+        "--session-timeout", str(options.session_timeout),
     ]  # fmt: skip
     if options.checkpoints_dir:
         command += ["--checkpoints-dir", options.checkpoints_dir]

@@ -42,6 +42,9 @@ def start(
     api_key: str = typer.Option(
         None, help="Accept only this X-API-Key (default: any key).", envvar="RLCLI_SERVER_API_KEY"
     ),
+    session_timeout: float = typer.Option(
+        300, help="Free a client's adapters after this many seconds without a heartbeat."
+    ),
     wait: float = typer.Option(300, help="Seconds to wait for the server to become healthy."),
     foreground: bool = typer.Option(
         False, "--foreground", help="Run in this process (for containers and process managers)."
@@ -76,6 +79,7 @@ def start(
         dtype=dtype,
         max_lora_rank=max_lora_rank,
         checkpoints_dir=str((checkpoints_dir or home / "checkpoints").expanduser().resolve()),
+        session_timeout=session_timeout,
     )
     command = server_command(options)
     env = {API_KEY_ENV: api_key} if api_key else {}

@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoints-dir", default="")
     parser.add_argument("--api-key", default=os.environ.get("RLCLI_SERVER_API_KEY"))
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--session-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
 
     import uvicorn
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
         checkpoints_dir=args.checkpoints_dir,
         api_key=args.api_key,
         threads=args.threads,
+        session_timeout=args.session_timeout,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
 

@@ -7,6 +7,7 @@ back through futures (``retrieve_future``), as the client expects. Wire formats 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -37,6 +38,7 @@ class Settings:
     checkpoints_dir: str = ""
     api_key: str | None = None
     threads: int | None = None
+    session_timeout: float = 300.0  # no heartbeat for this long: the session's adapters go
 
     def engine_settings(self) -> dict[str, Any]:
         return {
@@ -104,6 +106,26 @@ class ServerState:
         )
 
 
+async def _reap_sessions(state: ServerState) -> None:
+    """Free the adapters of sessions whose client went away (the SDK heartbeats every 10 s).
+
+    Without this, every training client ever created would hold its LoRA weights and
+    optimizer state until the server stops."""
+    timeout = state.settings.session_timeout
+    while True:
+        await asyncio.sleep(max(0.5, min(15.0, timeout / 4)))
+        now = time.time()
+        for session in list(state.sessions.values()):
+            if now - session.last_heartbeat <= timeout:
+                continue
+            del state.sessions[session.session_id]
+            for record in list(state.models.values()):
+                if record.session_id == session.session_id:
+                    del state.models[record.model_id]
+                    state.engine.submit("unload_model", "remove_adapter", name=record.model_id)
+            log.info("session %s expired: no heartbeat for %.0fs", session.session_id, timeout)
+
+
 def _future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
     return {"request_id": request_id, "model_id": model_id}
 
@@ -113,11 +135,11 @@ def create_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        import asyncio
-
         state.futures.bind(asyncio.get_running_loop())
         state.engine.start()
+        reaper = asyncio.create_task(_reap_sessions(state))
         yield
+        reaper.cancel()
         state.engine.stop()
 
     app = FastAPI(title="rlcli torch backend", lifespan=lifespan)

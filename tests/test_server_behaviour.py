@@ -1,0 +1,104 @@
+"""How the server behaves over time: compute never blocks HTTP, vanished clients are cleaned
+up, and the foreground mode serves until signalled."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from rlcli.backends import process
+from rlcli.demo import free_port
+
+
+def test_health_and_polls_stay_fast_during_a_long_forward_backward(server, service, tiny_model):
+    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=8)
+    big = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([5 + i % 900 for i in range(2048)]),
+            loss_fn_inputs={"target_tokens": [6] * 2048, "weights": [1.0] * 2048},
+        )
+        for _ in range(24)
+    ]
+    started = time.monotonic()
+    future = trainer.forward_backward(big, "cross_entropy")
+    latencies, busy_seen = [], 0
+    with httpx.Client(base_url=server.base_url) as http:
+        while not future._future.done() and time.monotonic() - started < 120:
+            t0 = time.perf_counter()
+            assert http.get("/api/v1/healthz").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            busy_seen += http.get("/rlcli/status").json()["pending_requests"] > 0
+            time.sleep(0.05)
+    future.result()
+    assert busy_seen >= 3, "the forward pass finished too fast to show anything"
+    assert max(latencies) < 0.5, latencies
+
+
+def test_a_vanished_clients_adapters_are_freed(tmp_path, tiny_model):
+    from conftest import start_server
+
+    record = start_server(tmp_path, tiny_model, session_timeout=2.0)
+    try:
+        script = textwrap.dedent(f"""
+            import os, tinker
+            service = tinker.ServiceClient(base_url="{record.base_url}", api_key="tml-dummy")
+            trainer = service.create_lora_training_client(base_model="{tiny_model}", rank=4)
+            print(trainer.model_id, flush=True)
+            os._exit(0)  # no goodbye: heartbeats just stop
+        """)
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        )
+        model_id = out.stdout.strip().splitlines()[-1]
+        status = httpx.get(f"{record.base_url}/rlcli/status").json()
+        assert status["models"] == 1
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and status["models"]:
+            time.sleep(0.5)
+            status = httpx.get(f"{record.base_url}/rlcli/status").json()
+        assert status["models"] == 0 and status["sessions"] == 0
+        service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
+        ghost = tinker.TrainingClient(service.holder, model_seq_id=0, model_id=model_id)
+        with pytest.raises(tinker.NotFoundError):
+            ghost.forward(
+                [
+                    types.Datum(
+                        model_input=types.ModelInput.from_ints([5]),
+                        loss_fn_inputs={"target_tokens": [6]},
+                    )
+                ],
+                "cross_entropy",
+            ).result()
+    finally:
+        process.stop(tmp_path)
+
+
+def test_foreground_mode_serves_until_sigterm(tmp_path, tiny_model):
+    port = free_port()
+    env = {**os.environ, "RLCLI_HOME": str(tmp_path)}
+    command = [sys.executable, "-m", "rlcli.cli.main", "serve", "start", "--foreground"]
+    command += ["--base-model", str(tiny_model), "--port", str(port)]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        healthy = False
+        while time.monotonic() < deadline and proc.poll() is None and not healthy:
+            healthy, _ = process.health(f"http://127.0.0.1:{port}", timeout=1)
+            time.sleep(0.3)
+        assert healthy
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught (uvicorn >= 0.29).
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert b"Traceback" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
