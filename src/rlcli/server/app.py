@@ -13,13 +13,15 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 from rlcli import compat
-from rlcli.server import losses, wire
+from rlcli.home import rlcli_home
+from rlcli.server import checkpoints, losses, routes_rest, routes_weights, wire
 from rlcli.server.engine_client import EngineClient
 from rlcli.server.futures import FutureStore
 from rlcli.server.validate import RequestError, validate_forward_backward
@@ -58,6 +60,7 @@ class ModelRecord:
     lora: dict[str, Any]
     user_metadata: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
+    last_request: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -77,6 +80,9 @@ class ServerState:
         self.engine = EngineClient(settings.engine_settings(), self.futures)
         self.sessions: dict[str, SessionRecord] = {}
         self.models: dict[str, ModelRecord] = {}
+        self.sampling_sessions: dict[str, routes_weights.SamplerRef] = {}
+        self.checkpoints_root = Path(settings.checkpoints_dir or rlcli_home() / "checkpoints")
+        self.checkpoints_root.mkdir(parents=True, exist_ok=True)
 
     def engine_info(self) -> dict[str, Any]:
         """The loaded model's facts; 503 while it is still loading (the client retries 5xx)."""
@@ -90,6 +96,7 @@ class ServerState:
         record = self.models.get(model_id)
         if record is None:
             raise HTTPException(404, f"model_id: unknown model {model_id!r}")
+        record.last_request = time.time()
         return record
 
     def session(self, session_id: str) -> SessionRecord:
@@ -251,8 +258,21 @@ def create_app(settings: Settings) -> FastAPI:
                 400, "lora_config: train_mlp, train_attn and train_unembed are all off"
             )
         model_id = f"{uuid.uuid4()}"
-        state.models[model_id] = ModelRecord(
+        record = ModelRecord(
             model_id, session_id, settings.base_model, lora, dict(body.get("user_metadata") or {})
+        )
+        state.models[model_id] = record
+        checkpoints.write_run(
+            state.checkpoints_root,
+            model_id,
+            {
+                "training_run_id": model_id,
+                "base_model": record.base_model,
+                "lora": {"rank": rank, **{k: v for k, v in lora.items() if k != "rank"}},
+                "session_id": session_id,
+                "user_metadata": record.user_metadata,
+                "created": record.created,
+            },
         )
         request_id = state.engine.submit(
             "create_model",
@@ -340,6 +360,9 @@ def create_app(settings: Settings) -> FastAPI:
         request_id = state.engine.submit("optim_step", "optim_step", model_id=model_id, **adam)
         return _future(request_id, model_id)
 
+    routes_weights.register(app, state)
+    routes_rest.register(app, state)
+
     # ---- futures ---------------------------------------------------------------------------
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):
@@ -373,4 +396,17 @@ def _encode_result(kind: str, value: Any, accept_proto: bool):
         return {"type": "create_model", "model_id": value["model_id"]}
     if kind == "unload_model":
         return {"type": "unload_model", "model_id": value["model_id"]}
+    if kind == "sample":
+        if accept_proto:
+            return Response(wire.encode_sample_response(value), media_type=wire.PROTO_CONTENT_TYPE)
+        return wire.sample_response_json(value)
+    if kind == "save_weights":
+        return {"type": "save_weights", "path": value["path"]}
+    if kind == "save_sampler_weights":
+        return {"type": "save_weights_for_sampler", "path": value["path"]}
+    if kind == "save_weights_for_sampler":  # ephemeral snapshot: a sampling session id
+        session_id = value["key"].removeprefix("ephemeral:")
+        return {"type": "save_weights_for_sampler", "path": None, "sampling_session_id": session_id}
+    if kind == "load_weights":
+        return {"type": "load_weights", "path": value["path"], "model_id": value["model_id"]}
     return value

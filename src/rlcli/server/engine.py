@@ -20,13 +20,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlcli.server import losses
+from rlcli.server import checkpoints, losses
+from rlcli.server.sampling import SampleJob, SampleOutput, generate
 from rlcli.server.wire import DatumArrays
 
 log = logging.getLogger("rlcli.engine")
 
 LORA_ALPHA = 32  # fixed, as on Tinker: the learning rate does not have to move with the rank
 MICROBATCH_TOKENS = 16384  # padded tokens per forward pass; bounds activation memory
+MAX_LOADED_SAMPLERS = 8  # sampler snapshots kept as live peft adapters (LRU)
+MAX_SNAPSHOTS = 64  # in-memory sampler snapshots kept for reloading (oldest dropped)
+SAMPLE_ROWS_PER_BATCH = 64  # rows (prompt x sample) decoded together
 
 
 class UserError(ValueError):
@@ -110,6 +114,15 @@ class Engine:
         self.layer_groups = lora_layer_groups(self.model)  # before peft wraps any layer
         self.peft = None  # the PeftModel, once the first adapter exists
         self.adapters: dict[str, Adapter] = {}
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(base_model)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+        # Sampler snapshots: key -> (LoraConfig, CPU state dict). Ephemeral ones (from
+        # save_weights_and_get_sampling_client) live only here; saved ones also on disk.
+        self.snapshots: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
+        self.loaded_samplers: dict[str, str] = {}  # key -> peft adapter name, in LRU order
 
     # ---- adapters -----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -161,7 +174,7 @@ class Engine:
     def remove_adapter(self, name: str) -> dict[str, Any]:
         if self.adapters.pop(name, None) is None:
             raise UserError(f"unknown model_id {name!r}")
-        if self.adapters:
+        if self.adapters or self.loaded_samplers:
             self.peft.delete_adapter(name)
         else:  # peft cannot delete its last adapter: unwrap back to the bare base model
             self.model = self.peft.unload()
@@ -274,6 +287,134 @@ class Engine:
         adapter.pending_grads = False
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": learning_rate}
 
+    # ---- checkpoints -----------------------------------------------------------------------
+    def _adapter_state(self, name: str) -> dict[str, torch.Tensor]:
+        from peft.utils import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.peft, adapter_name=name)
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+    def save_state(self, model_id: str, directory: str, kind: str, meta: dict) -> dict:
+        """Write the adapter (PEFT format) and, for ``weights``, the optimizer state."""
+        adapter = self._require(model_id)
+        optimizer = adapter.optimizer.state_dict() if kind == "weights" else None
+        checkpoints.write_adapter(
+            directory,
+            self._adapter_state(model_id),
+            self.peft.peft_config[model_id],
+            self.base_model,
+            optimizer=optimizer,
+            meta={**meta, "steps": adapter.steps},
+        )
+        return {"path": meta["tinker_path"]}
+
+    def load_state(self, model_id: str, directory: str, optimizer: bool, path: str) -> dict:
+        from peft.utils import set_peft_model_state_dict
+
+        adapter = self._require(model_id)
+        config, state, optim_state = checkpoints.read_adapter(directory, optimizer)
+        if config.r != adapter.rank:
+            raise UserError(
+                f"path: {path} has LoRA rank {config.r}, this training client has {adapter.rank}"
+            )
+        with torch.no_grad():
+            set_peft_model_state_dict(self.peft, state, adapter_name=model_id)
+        adapter.optimizer.zero_grad(set_to_none=True)
+        if optimizer:
+            if optim_state is None:
+                raise UserError(f"path: {path} holds no optimizer state (a sampler checkpoint?)")
+            adapter.optimizer.load_state_dict(optim_state)
+        else:
+            adapter.optimizer.state.clear()
+        return {"path": path, "model_id": model_id}
+
+    def snapshot_sampler(self, model_id: str, key: str, directory: str | None, meta: dict):
+        """Freeze the adapter's current weights as sampler ``key`` (and save them if named)."""
+        self._require(model_id)
+        state = self._adapter_state(model_id)
+        config = self.peft.peft_config[model_id]
+        if directory:
+            checkpoints.write_adapter(directory, state, config, self.base_model, meta=meta)
+        self.snapshots[key] = (config, state)
+        while len(self.snapshots) > MAX_SNAPSHOTS:
+            oldest = next(iter(self.snapshots))
+            self.snapshots.pop(oldest)
+            self._unload_sampler(oldest)
+        return {"path": meta.get("tinker_path"), "key": key}
+
+    def _unload_sampler(self, key: str) -> None:
+        name = self.loaded_samplers.pop(key, None)
+        if name is not None:
+            self.peft.delete_adapter(name)
+
+    def _sampler_module(self, key: str | None) -> torch.nn.Module:
+        """The module that samples from ``key``: the base model, or a snapshot as an adapter,
+        loaded on demand from memory or from its checkpoint folder."""
+        from peft import get_peft_model
+        from peft.utils import set_peft_model_state_dict
+
+        if key is None:
+            return self._activate(None)
+        if key in self.loaded_samplers:
+            name = self.loaded_samplers.pop(key)
+            self.loaded_samplers[key] = name  # most recently used
+            self.peft.set_adapter(name)
+            return self.peft
+        if key not in self.snapshots:
+            if not key.startswith("/"):
+                raise UserError("sampler expired: save the weights for sampling again")
+            config, state, _ = checkpoints.read_adapter(key, optimizer=False)
+            self.snapshots[key] = (config, state)
+        config, state = self.snapshots[key]
+        while len(self.loaded_samplers) >= MAX_LOADED_SAMPLERS:
+            self._unload_sampler(next(iter(self.loaded_samplers)))
+        name = f"sampler-{len(self.loaded_samplers)}-{time.monotonic_ns()}"
+        if self.peft is None:
+            self.peft = get_peft_model(self.model, config, adapter_name=name)
+        else:
+            self.peft.add_adapter(name, config)
+        with torch.no_grad():
+            set_peft_model_state_dict(self.peft, state, adapter_name=name)
+        for n, p in self.peft.named_parameters():
+            if f".{name}." in n:
+                p.requires_grad_(False)
+        self.loaded_samplers[key] = name
+        self.peft.set_adapter(name)
+        return self.peft
+
+    # ---- sampling ---------------------------------------------------------------------------
+    def sample(self, jobs: list[SampleJob]) -> list[SampleOutput | str]:
+        """Run many sample requests, batched per sampler. A job that fails (an expired sampler)
+        gets its error message in place of an output; the others still run."""
+        results: list[SampleOutput | str] = [""] * len(jobs)
+        groups: dict[str | None, list[int]] = {}
+        for i, job in enumerate(jobs):
+            groups.setdefault(job.sampler, []).append(i)
+        for key, indices in groups.items():
+            try:
+                module = self._sampler_module(key)
+            except UserError as e:
+                for i in indices:
+                    results[i] = str(e)
+                continue
+            for chunk in _row_chunks([jobs[i] for i in indices], indices):
+                outs = generate(
+                    module,
+                    [jobs[i] for i in chunk],
+                    device=self.device,
+                    pad_id=self.pad_id,
+                    decode=self.tokenizer.decode,
+                )
+                for i, out in zip(chunk, outs, strict=True):
+                    results[i] = out
+        return results
+
+    def _require(self, model_id: str) -> Adapter:
+        adapter = self.adapters.get(model_id)
+        if adapter is None:
+            raise UserError(f"unknown model_id {model_id!r}")
+        return adapter
+
 
 class _BaseOnly(torch.nn.Module):
     """Runs a PeftModel with every adapter disabled: the plain base model."""
@@ -285,6 +426,19 @@ class _BaseOnly(torch.nn.Module):
     def forward(self, **kwargs):
         with self.peft_model.disable_adapter():
             return self.peft_model(**kwargs)
+
+
+def _row_chunks(jobs: list[SampleJob], indices: list[int]) -> list[list[int]]:
+    """Split jobs into batches of at most SAMPLE_ROWS_PER_BATCH rows (a job is never split)."""
+    chunks: list[list[int]] = [[]]
+    rows = 0
+    for job, i in zip(jobs, indices, strict=True):
+        if chunks[-1] and rows + job.num_samples > SAMPLE_ROWS_PER_BATCH:
+            chunks.append([])
+            rows = 0
+        chunks[-1].append(i)
+        rows += job.num_samples
+    return chunks
 
 
 def _microbatches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -328,23 +482,62 @@ def engine_main(settings: dict[str, Any], requests, results) -> None:
     results.put(("__ready__", "ok", engine.info()))
     log.info("engine ready: %s", engine.info())
     parent = os.getppid()
+    held = None  # a non-sample request met while gathering a sampling batch
     while True:
-        try:
-            item = requests.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent:  # the HTTP process died without telling us
-                return
-            continue
+        if held is not None:
+            item, held = held, None
+        else:
+            try:
+                item = requests.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the HTTP process died without telling us
+                    return
+                continue
         if item is None:
             return
-        request_id, op, kwargs = item
-        started = time.perf_counter()
+        if item[1] == "sample":
+            batch, held = _gather_samples(item, requests)
+            _run_samples(engine, batch, results)
+            continue
+        _run_one(engine, item, results)
+
+
+def _gather_samples(first, requests, window: float = 0.003):
+    """The sample requests queued right behind ``first`` (waiting ``window`` s for
+    stragglers), so concurrent rollouts decode as one batch. Stops at the first request of
+    another kind, which is returned to run next: order across kinds is kept."""
+    batch, deadline = [first], time.monotonic() + window
+    while len(batch) < SAMPLE_ROWS_PER_BATCH:
         try:
-            value = getattr(engine, op)(**kwargs)
-            results.put((request_id, "ok", value))
-        except UserError as e:
-            results.put((request_id, "user", str(e)))
-        except Exception as e:
-            log.error("%s failed:\n%s", op, traceback.format_exc())
+            item = requests.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if item is None or item[1] != "sample":
+            return batch, item
+        batch.append(item)
+    return batch, None
+
+
+def _run_samples(engine: Engine, batch, results) -> None:
+    try:
+        outputs = engine.sample([kwargs["job"] for _, _, kwargs in batch])
+    except Exception as e:
+        log.error("sample failed:\n%s", traceback.format_exc())
+        for request_id, _, _ in batch:
             results.put((request_id, "server", f"{type(e).__name__}: {e}"))
-        log.debug("%s %s took %.3fs", op, request_id, time.perf_counter() - started)
+        return
+    for (request_id, _, _), out in zip(batch, outputs, strict=True):
+        results.put((request_id, "user", out) if isinstance(out, str) else (request_id, "ok", out))
+
+
+def _run_one(engine: Engine, item, results) -> None:
+    request_id, op, kwargs = item
+    started = time.perf_counter()
+    try:
+        results.put((request_id, "ok", getattr(engine, op)(**kwargs)))
+    except UserError as e:
+        results.put((request_id, "user", str(e)))
+    except Exception as e:
+        log.error("%s failed:\n%s", op, traceback.format_exc())
+        results.put((request_id, "server", f"{type(e).__name__}: {e}"))
+    log.debug("%s %s took %.3fs", op, request_id, time.perf_counter() - started)

@@ -37,7 +37,7 @@ class EngineClient:
     def healthy(self) -> bool:
         return self.info is not None and self.error is None and self._process.is_alive()
 
-    def submit(self, kind: str, op: str, **kwargs: Any) -> str:
+    def submit(self, kind: str, op: str, /, **kwargs: Any) -> str:
         """Queue ``op`` on the engine; returns the request id to poll."""
         request_id = self._futures.create(kind)
         self._requests.put((request_id, op, kwargs))

@@ -37,7 +37,7 @@ def validate_forward_backward(req: FwdBwdRequest, vocab_size: int, max_context: 
             raise RequestError(
                 f"{where}.model_input: {n} tokens exceeds the model's context of {max_context}"
             )
-        _check_token_ids(datum.tokens, vocab_size, f"{where}.model_input")
+        check_token_ids(datum.tokens, vocab_size, f"{where}.model_input")
         for name in ("target_tokens", *spec.required):
             if name not in datum.inputs:
                 raise RequestError(
@@ -66,12 +66,12 @@ def validate_forward_backward(req: FwdBwdRequest, vocab_size: int, max_context: 
                     "(one value per model_input token)"
                 )
             if name == "target_tokens":
-                _check_token_ids(arr, vocab_size, field)
+                check_token_ids(arr, vocab_size, field)
             elif not np.all(np.isfinite(arr)):
                 raise RequestError(f"{field}: contains NaN or infinity")
 
 
-def _check_token_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:
+def check_token_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:
     if ids.dtype.kind == "f" and not np.all(ids == np.round(ids)):
         raise RequestError(f"{field}: token ids must be integers")
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))

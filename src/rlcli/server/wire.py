@@ -143,3 +143,60 @@ def forward_backward_output_json(
         ],
         "metrics": metrics,
     }
+
+
+_STOP_REASONS = {"stop": public_pb.STOP_REASON_STOP, "length": public_pb.STOP_REASON_LENGTH}
+
+
+def encode_sample_response(output) -> bytes:
+    """A ``server.sampling.SampleOutput`` as the client's ``SampleResponse`` protobuf."""
+    msg = public_pb.SampleResponse()
+    for tokens, logprobs, reason in output.sequences:
+        seq = msg.sequences.add()
+        seq.stop_reason = _STOP_REASONS[reason]
+        seq.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
+        seq.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
+    if output.prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray(output.prompt_logprobs, dtype=np.float32).tobytes()
+    if output.topk_prompt is not None:
+        ids, lps = output.topk_prompt
+        msg.topk_prompt_logprobs.token_ids = np.ascontiguousarray(ids, np.int32).tobytes()
+        msg.topk_prompt_logprobs.logprobs = np.ascontiguousarray(lps, np.float32).tobytes()
+        msg.topk_prompt_logprobs.k = ids.shape[1]
+        msg.topk_prompt_logprobs.prompt_length = ids.shape[0]
+    return msg.SerializeToString()
+
+
+def sample_response_json(output) -> dict:
+    def nan_to_none(values):
+        return [None if np.isnan(v) else float(v) for v in values]
+
+    return {
+        "type": "sample",
+        "sequences": [
+            {"tokens": t.tolist(), "logprobs": lp.tolist(), "stop_reason": reason}
+            for t, lp, reason in output.sequences
+        ],
+        "prompt_logprobs": None
+        if output.prompt_logprobs is None
+        else nan_to_none(output.prompt_logprobs),
+    }
+
+
+def prompt_tokens(prompt: dict, field: str = "prompt") -> np.ndarray:
+    """Tokens of a JSON ``ModelInput`` (``{"chunks": [{"tokens": [...]}, ...]}``)."""
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
+        raise WireError(f"{field}: expected a ModelInput object with chunks")
+    pieces = []
+    for j, chunk in enumerate(prompt["chunks"]):
+        kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
+        if kind != "encoded_text" or not isinstance(chunk.get("tokens"), list):
+            raise WireError(
+                f"{field}.chunks[{j}]: {kind or 'malformed'} chunks are not supported "
+                "(text tokens only)"
+            )
+        pieces.append(chunk["tokens"])
+    flat = [t for piece in pieces for t in piece]
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in flat):
+        raise WireError(f"{field}: token ids must be integers")
+    return np.asarray(flat, dtype=np.int64)

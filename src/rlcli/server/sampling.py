@@ -1,0 +1,191 @@
+"""Batched, KV-cached sampling for one model (base or one adapter) at a time.
+
+Rows (prompt x sample) are left-padded into one batch, prefilled once, then decoded a token
+per step with the cache. Each row has its own temperature, top-k, top-p, stop set and random
+generator (so a seed reproduces its tokens whatever else shares the batch). Returned logprobs
+are the model's own ``log_softmax`` of the sampled token (temperature 1, no filtering): the
+numbers a forward pass gives for the same tokens, which is what importance ratios need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SampleJob:
+    """One ``asample`` request, as the engine receives it."""
+
+    prompt: np.ndarray  # int64 [N]
+    num_samples: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_tokens: list[int] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    sampler: str | None = None  # engine adapter name; None = the base model
+
+
+@dataclass
+class SampleOutput:
+    sequences: list[tuple[np.ndarray, np.ndarray, str]]  # (tokens int32, logprobs f32, reason)
+    prompt_logprobs: np.ndarray | None = None  # float32 [N], NaN first
+    topk_prompt: tuple[np.ndarray, np.ndarray] | None = None  # ([N, k] int32, [N, k] f32)
+
+
+@dataclass
+class _Row:
+    job: int
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: str | None = None  # set when finished
+
+
+def filter_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Per-row temperature, top-k (<= 0: off) and nucleus (1.0: off) on [B, V] logits."""
+    scaled = logits / temperature.clamp(min=1e-6).unsqueeze(-1)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, scaled.shape[-1]).unsqueeze(-1)
+    drop = ranks >= k
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    drop |= mass_before > top_p.unsqueeze(-1)  # keeps at least the top token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def prompt_logprob_arrays(
+    logits: torch.Tensor, prompt: torch.Tensor, topk: int
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """From one row's prefill logits [N, V]: log p(prompt[t] | prompt[:t]) (NaN at t=0), and
+    the top-k alternatives per position (row 0 empty: nothing predicts the first token)."""
+    logp = logits.float().log_softmax(-1)
+    values = torch.full((len(prompt),), float("nan"))
+    if len(prompt) > 1:
+        values[1:] = logp[:-1].gather(-1, prompt[1:].unsqueeze(-1)).squeeze(-1).cpu()
+    top = None
+    if topk > 0:
+        k = min(topk, logp.shape[-1])
+        ids = torch.zeros(len(prompt), k, dtype=torch.int32)
+        lps = torch.full((len(prompt), k), -99999.0)
+        if len(prompt) > 1:
+            best = logp[:-1].topk(k, dim=-1)
+            ids[1:] = best.indices.to(torch.int32).cpu()
+            lps[1:] = best.values.cpu()
+        top = (ids.numpy(), lps.numpy())
+    return values.numpy().astype(np.float32), top
+
+
+def _hits_stop_string(tokens: list[int], stops: list[str], decode) -> bool:
+    return bool(stops) and any(stop in decode(tokens) for stop in stops)
+
+
+@torch.inference_mode()
+def generate(
+    model, jobs: list[SampleJob], *, device: torch.device, pad_id: int, decode
+) -> list[SampleOutput]:
+    """Sample every job's rows in one batch on ``model`` (already set to the right adapter).
+
+    ``decode(list[int]) -> str`` is used only for stop strings.
+    """
+    rows: list[_Row] = []
+    for j, job in enumerate(jobs):
+        for s in range(job.num_samples):
+            generator = None
+            if job.seed is not None:
+                generator = torch.Generator().manual_seed(job.seed * 1_000_003 + s)
+            rows.append(_Row(job=j, generator=generator))
+    width = max(len(job.prompt) for job in jobs)
+    batch = len(rows)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention = torch.zeros(batch, width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        prompt = torch.from_numpy(jobs[row.job].prompt)
+        input_ids[r, width - len(prompt) :] = prompt
+        attention[r, width - len(prompt) :] = 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    input_ids, attention, positions = (t.to(device) for t in (input_ids, attention, positions))
+
+    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions)
+    cache, logits = out.past_key_values, out.logits
+
+    outputs = [SampleOutput(sequences=[]) for _ in jobs]
+    first_row = {}
+    for r, row in enumerate(rows):
+        first_row.setdefault(row.job, r)
+    for j, job in enumerate(jobs):
+        if job.prompt_logprobs or job.topk_prompt_logprobs:
+            n = len(job.prompt)
+            r = first_row[j]
+            values, top = prompt_logprob_arrays(
+                logits[r, width - n :], torch.from_numpy(job.prompt).to(device),
+                job.topk_prompt_logprobs,
+            )  # fmt: skip
+            outputs[j].prompt_logprobs = values
+            outputs[j].topk_prompt = top
+    next_logits = logits[:, -1, :].float()
+    del logits, out
+
+    def per_row(attr, dtype):
+        return torch.tensor([getattr(jobs[row.job], attr) for row in rows], dtype=dtype)
+
+    temperature = per_row("temperature", torch.float32).to(device)
+    top_k = per_row("top_k", torch.long).to(device)
+    top_p = per_row("top_p", torch.float32).to(device)
+    greedy = temperature <= 0
+    max_new = max(job.max_tokens for job in jobs)
+    position = positions[:, -1]
+    for _ in range(max_new):
+        logp = next_logits.log_softmax(-1)
+        filtered = filter_logits(next_logits, temperature, top_k, top_p)
+        probs = filtered.softmax(-1).cpu()
+        chosen = torch.empty(batch, dtype=torch.long)
+        for r, row in enumerate(rows):
+            if greedy[r]:
+                chosen[r] = int(next_logits[r].argmax())
+            else:
+                chosen[r] = int(torch.multinomial(probs[r], 1, generator=row.generator))
+        chosen_logp = logp.gather(-1, chosen.to(device).unsqueeze(-1)).squeeze(-1).cpu()
+        for r, row in enumerate(rows):
+            if row.reason is not None:
+                continue
+            job = jobs[row.job]
+            token = int(chosen[r])
+            row.tokens.append(token)
+            row.logprobs.append(float(chosen_logp[r]))
+            if token in job.stop_tokens or _hits_stop_string(row.tokens, job.stop_strings, decode):
+                row.reason = "stop"
+            elif len(row.tokens) >= job.max_tokens:
+                row.reason = "length"
+        if all(row.reason is not None for row in rows):
+            break
+        position = position + 1
+        attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long, device=device)], 1)
+        out = model(
+            input_ids=chosen.to(device).unsqueeze(-1),
+            attention_mask=attention,
+            position_ids=position.unsqueeze(-1),
+            past_key_values=cache,
+        )
+        cache, next_logits = out.past_key_values, out.logits[:, -1, :].float()
+
+    for row in rows:
+        outputs[row.job].sequences.append(
+            (
+                np.asarray(row.tokens, dtype=np.int32),
+                np.asarray(row.logprobs, dtype=np.float32),
+                row.reason or "length",
+            )
+        )
+    return outputs
