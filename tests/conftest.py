@@ -24,6 +24,7 @@ def start_server(home: Path, model: Path, **options):
     from rlcli.demo import free_port
 
     api_key = options.pop("api_key", None)
+    options.setdefault("checkpoints_dir", str(home / "checkpoints"))
     port = free_port()
     opts = TorchServerOptions(base_model=str(model), port=port, device="cpu", **options)
     record, healthy = process.start_detached(
