@@ -118,6 +118,11 @@ class Engine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(base_model)
         pad = self.tokenizer.pad_token_id
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        # Like vLLM: the end-of-sequence token always ends a sample, on top of `stop`.
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = sorted({int(e) for e in eos if e is not None})
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
         # Sampler snapshots: key -> (LoraConfig, CPU state dict). Ephemeral ones (from
         # save_weights_and_get_sampling_client) live only here; saved ones also on disk.
@@ -389,6 +394,7 @@ class Engine:
         results: list[SampleOutput | str] = [""] * len(jobs)
         groups: dict[str | None, list[int]] = {}
         for i, job in enumerate(jobs):
+            job.stop_tokens = sorted(set(job.stop_tokens) | set(self.eos_ids))
             groups.setdefault(job.sampler, []).append(i)
         for key, indices in groups.items():
             try:

@@ -143,27 +143,36 @@ def generate(
     temperature = per_row("temperature", torch.float32).to(device)
     top_k = per_row("top_k", torch.long).to(device)
     top_p = per_row("top_p", torch.float32).to(device)
-    greedy = temperature <= 0
+    needs_filter = bool((top_k > 0).any() or (top_p < 1).any())
+    greedy = (temperature <= 0).tolist()
+    seeded = [r for r, row in enumerate(rows) if row.generator is not None and not greedy[r]]
+    free = [r for r, row in enumerate(rows) if row.generator is None and not greedy[r]]
+    greedy_rows = [r for r in range(batch) if greedy[r]]
     max_new = max(job.max_tokens for job in jobs)
     position = positions[:, -1]
     for _ in range(max_new):
         logp = next_logits.log_softmax(-1)
-        filtered = filter_logits(next_logits, temperature, top_k, top_p)
-        probs = filtered.softmax(-1).cpu()
-        chosen = torch.empty(batch, dtype=torch.long)
-        for r, row in enumerate(rows):
-            if greedy[r]:
-                chosen[r] = int(next_logits[r].argmax())
-            else:
-                chosen[r] = int(torch.multinomial(probs[r], 1, generator=row.generator))
-        chosen_logp = logp.gather(-1, chosen.to(device).unsqueeze(-1)).squeeze(-1).cpu()
+        if needs_filter:
+            scaled = filter_logits(next_logits, temperature, top_k, top_p)
+        else:
+            scaled = next_logits / temperature.clamp(min=1e-6).unsqueeze(-1)
+        probs = scaled.softmax(-1)
+        chosen = torch.empty(batch, dtype=torch.long, device=device)
+        if free:  # one draw for every unseeded row
+            chosen[free] = torch.multinomial(probs[free], 1).squeeze(-1)
+        for r in seeded:  # a seeded row draws from its own generator, on the CPU
+            chosen[r] = torch.multinomial(probs[r].cpu(), 1, generator=rows[r].generator)[0]
+        if greedy_rows:
+            chosen[greedy_rows] = next_logits[greedy_rows].argmax(-1)
+        chosen_logp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
+        chosen_list = chosen.tolist()
         for r, row in enumerate(rows):
             if row.reason is not None:
                 continue
             job = jobs[row.job]
-            token = int(chosen[r])
+            token = chosen_list[r]
             row.tokens.append(token)
-            row.logprobs.append(float(chosen_logp[r]))
+            row.logprobs.append(chosen_logp[r])
             if token in job.stop_tokens or _hits_stop_string(row.tokens, job.stop_strings, decode):
                 row.reason = "stop"
             elif len(row.tokens) >= job.max_tokens:
@@ -173,7 +182,7 @@ def generate(
         position = position + 1
         attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long, device=device)], 1)
         out = model(
-            input_ids=chosen.to(device).unsqueeze(-1),
+            input_ids=chosen.unsqueeze(-1),
             attention_mask=attention,
             position_ids=position.unsqueeze(-1),
             past_key_values=cache,
