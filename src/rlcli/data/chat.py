@@ -1,0 +1,109 @@
+"""Chat JSONL for supervised fine-tuning: ``{"messages": [{"role", "content"}, ...]}`` per line.
+
+Validation reads everything first and reports every bad line (up to a limit) with its line
+number, so nothing is sent to a server for a file that would fail halfway through training.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+ROLES = ("system", "user", "assistant", "tool")
+MAX_REPORTED = 20
+
+
+@dataclass
+class LineError:
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message}"
+
+
+class DataError(ValueError):
+    """A dataset with bad lines; ``errors`` holds each one."""
+
+    def __init__(self, source: str, errors: list[LineError], total: int) -> None:
+        self.source, self.errors, self.total = source, errors, total
+        shown = "\n  ".join(str(e) for e in errors[:MAX_REPORTED])
+        more = len(errors) - MAX_REPORTED
+        tail = f"\n  ... and {more} more" if more > 0 else ""
+        super().__init__(
+            f"{source}: {len(errors)} of {total} lines are not usable chat data; "
+            f"nothing was sent:\n  {shown}{tail}"
+        )
+
+
+def content_text(content) -> str | None:
+    """Plain text of a message's content: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", None) and "text" in part:
+                parts.append(str(part["text"]))
+            else:
+                return None
+        return "".join(parts)
+    return None
+
+
+def check_conversation(row) -> str | None:
+    """Why this parsed line cannot be trained on, or None if it can."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    messages = row.get("messages")
+    if messages is None:
+        keys = ", ".join(sorted(row)) or "none"
+        return f'no "messages" field (keys: {keys}); convert it with `rlcli import`'
+    if not isinstance(messages, list):
+        return '"messages" is not a list'
+    if not messages:
+        return "empty conversation"
+    has_assistant = False
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"messages[{i}] is not an object"
+        role = message.get("role")
+        if role not in ROLES:
+            return f"messages[{i}]: unknown role {role!r} (expected one of {', '.join(ROLES)})"
+        if content_text(message.get("content")) is None:
+            return f"messages[{i}]: content is not text"
+        if role == "assistant" and content_text(message["content"]).strip():
+            has_assistant = True
+    if not has_assistant:
+        return "no assistant turn to learn from"
+    return None
+
+
+def read_conversations(lines: Iterable[str], source: str) -> list[dict]:
+    """Parse and validate chat JSONL; raise ``DataError`` listing every bad line."""
+    conversations, errors, total = [], [], 0
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        total += 1
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            errors.append(LineError(number, f"not JSON ({e.msg} at column {e.colno})"))
+            continue
+        problem = check_conversation(row)
+        if problem:
+            errors.append(LineError(number, problem))
+            continue
+        messages = [
+            {"role": m["role"], "content": content_text(m["content"])} for m in row["messages"]
+        ]
+        conversations.append({"messages": messages})
+    if errors:
+        raise DataError(source, errors, total)
+    if not conversations:
+        raise DataError(source, [LineError(0, "no conversations (the input is empty)")], 0)
+    return conversations
