@@ -42,3 +42,34 @@ def installed_versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[name] = "missing"
     return out
+
+
+def resolve_renderer(model: str, requested: str | None):
+    """(renderer name, why it was chosen, tokenizer or None).
+
+    The cookbook's ``model_info`` knows hub names only; for local folders and other models
+    it raises, so fall back on the tokenizer's chat template: ChatML (``<|im_start|>``) ->
+    ``qwen3_instruct`` (no thinking tags), Llama 3 headers -> ``llama3``, else ``role_colon``.
+    """
+    tokenizer = None
+    try:
+        from tinker_cookbook import tokenizer_utils
+
+        tokenizer = tokenizer_utils.get_tokenizer(model)
+    except Exception:  # hub id without network: the recipe will say so if it needs it
+        tokenizer = None
+    if requested:
+        return requested, "--renderer", tokenizer
+    from tinker_cookbook import model_info
+
+    try:
+        name = model_info.get_recommended_renderer_name(model)
+        return name, "recommended for the model", tokenizer
+    except Exception:
+        pass
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    if "<|im_start|>" in template:
+        return "qwen3_instruct", "ChatML chat template", tokenizer
+    if "<|start_header_id|>" in template:
+        return "llama3", "Llama 3 chat template", tokenizer
+    return "role_colon", "no known chat template", tokenizer

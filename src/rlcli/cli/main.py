@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from rlcli.cli import demo, importer, models, serve, tinker_passthrough
+from rlcli.cli import demo, importer, models, serve, tinker_passthrough, train
 
 app = typer.Typer(
     name="rlcli",
@@ -21,6 +21,7 @@ app = typer.Typer(
 )
 app.add_typer(serve.app, name="serve")
 app.add_typer(models.app, name="models")
+app.add_typer(train.app, name="train")
 app.command("demo")(demo.demo)
 app.command("import")(importer.import_)
 tinker_passthrough.register(app)

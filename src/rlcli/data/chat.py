@@ -10,6 +10,8 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from rlcli.errors import RlcliError
+
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REPORTED = 20
 
@@ -23,7 +25,7 @@ class LineError:
         return f"line {self.line}: {self.message}"
 
 
-class DataError(ValueError):
+class DataError(RlcliError):
     """A dataset with bad lines; ``errors`` holds each one."""
 
     def __init__(self, source: str, errors: list[LineError], total: int) -> None:

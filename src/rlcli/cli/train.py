@@ -1,0 +1,74 @@
+"""``rlcli train``: drive tinker-cookbook recipes against a Tinker server."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import typer
+
+from rlcli.cli._output import emit, info
+
+app = typer.Typer(help="Train: supervised fine-tuning (sl).", no_args_is_help=True)
+
+
+def _base_url(flag: str | None) -> str:
+    return flag or os.environ.get("TINKER_BASE_URL") or "http://localhost:8000"
+
+
+@app.command("sl")
+def sl(
+    dataset: str = typer.Option(..., help="Chat JSONL ({'messages': [...]}) or - for stdin."),
+    model: str = typer.Option(..., help="Base model: hub id or local folder."),
+    base_url: str = typer.Option(
+        None, help="Tinker server [default: $TINKER_BASE_URL or http://localhost:8000]."
+    ),
+    renderer: str = typer.Option(None, help="Chat renderer [default: recommended for the model]."),
+    batch_size: int = typer.Option(8, help="Conversations per step."),
+    lr: float = typer.Option(1e-4, help="Peak learning rate (linear decay)."),
+    max_length: int = typer.Option(2048, help="Truncate conversations to this many tokens."),
+    epochs: int = typer.Option(1, help="Passes over the data."),
+    lora_rank: int = typer.Option(32, help="LoRA rank."),
+    save_every: int = typer.Option(20, help="Checkpoint every N steps (0: only at the end)."),
+    test_size: float = typer.Option(0.0, help="Fraction of conversations held out (0-1)."),
+    max_steps: int = typer.Option(None, help="Stop after this many steps."),
+    log_path: str = typer.Option(
+        None, help="Run folder [default: $RLCLI_HOME/runs/sl-<time>]; reuse it to resume."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; contact no server."),
+    as_json: bool = typer.Option(False, "--json", help="Print results as JSON."),
+) -> None:
+    """Supervised fine-tuning on chat conversations, with the cookbook's supervised recipe."""
+    from rlcli.recipes import runner
+    from rlcli.recipes import sl as recipe
+
+    opts = recipe.SLOptions(
+        dataset=dataset, model=model, base_url=_base_url(base_url), renderer=renderer,
+        batch_size=batch_size, lr=lr, max_length=max_length, epochs=epochs,
+        lora_rank=lora_rank, save_every=save_every, test_size=test_size,
+        log_path=log_path, max_steps=max_steps,
+    )  # fmt: skip
+    plan = recipe.prepare(opts, stdin=sys.stdin if dataset == "-" else None, keep=not dry_run)
+    if not renderer:
+        info(f"renderer: {plan.renderer} ({plan.renderer_source})")
+    if dry_run:
+        emit(asdict(plan), as_json=as_json, title="training plan (dry run)")
+        return
+    runner.check_server(opts.base_url, model)
+    run_dir = Path(plan.run_dir)
+    info(
+        f"{'resuming' if plan.resuming else 'training'} in {run_dir}: {plan.train_examples} "
+        f"conversations, {plan.steps} steps"
+        + (f", {plan.held_out} held out" if plan.held_out else "")
+    )
+    runner.write_spec(run_dir, recipe.spec(opts, plan))
+    summary = runner.run_recipe(
+        run_dir,
+        total_steps=plan.steps,
+        show={"train_mean_nll": "loss"},
+        resume_hint=recipe.resume_command(opts, plan),
+        report=info,
+    )
+    emit(summary, as_json=as_json, title="done")

@@ -1,0 +1,167 @@
+"""`rlcli train sl` end to end on a real server with the tiny model, through the cookbook's
+supervised recipe: the import pipe, learning, checkpoints, resume, held-out loss, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
+DEAD_URL = "http://127.0.0.1:9"
+
+
+def rlcli_argv(*args) -> list[str]:
+    return [sys.executable, "-m", "rlcli.cli.main", *args]
+
+
+def run(*args, stdin=None, home=None, timeout=600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RLCLI_HOME": str(home)} if home else None
+    return subprocess.run(
+        rlcli_argv(*args), input=stdin, capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def openai_dump(tmp_path_factory) -> Path:
+    """The cookbook's 128 example conversations, as an OpenAI chat-completions log."""
+    path = tmp_path_factory.mktemp("dumps") / "traces.jsonl"
+    with path.open("w") as out:
+        for line in (EXAMPLES / "conversations.jsonl").open():
+            messages = json.loads(line)["messages"]
+            record = {
+                "request": {"model": "gpt-4o", "messages": messages[:-1]},
+                "response": {"choices": [{"message": messages[-1]}]},
+            }
+            out.write(json.dumps(record) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    path.write_text((EXAMPLES / "conversations.jsonl").read_text())
+    return path
+
+
+def test_import_pipe_into_train_sl_learns_and_checkpoints(
+    tmp_path, server, tiny_model, openai_dump
+):
+    run_dir = tmp_path / "run"
+    train = rlcli_argv(
+        "train", "sl", "--dataset", "-", "--model", str(tiny_model),
+        "--base-url", server.base_url, "--log-path", str(run_dir),
+        "--batch-size", "16", "--lr", "5e-3", "--epochs", "2", "--save-every", "4",
+        "--test-size", "0.2", "--json",
+    )  # fmt: skip
+    imp = rlcli_argv("import", str(openai_dump), "-f", "openai")
+    pipeline = f"{shlex.join(imp)} | {shlex.join(train)}"
+    result = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", pipeline], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["final_loss"] < summary["first_loss"]
+    assert summary["held_out_loss"] > 0
+    assert summary["state_path"].startswith("tinker://")
+    rows = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").open()]
+    assert rows and all(r["state_path"].startswith("tinker://") for r in rows)
+    # stdin data is kept for resume, and no temporary file is left behind
+    assert len((run_dir / "dataset.jsonl").read_text().splitlines()) == 128
+    assert not list(run_dir.glob(".dataset*"))
+    assert "renderer: qwen3_instruct (ChatML chat template)" in result.stderr
+    assert "step 12/12" in result.stderr  # 102 train conversations / 16, 2 epochs
+
+
+def test_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, server, tiny_model, chat_file):
+    run_dir = tmp_path / "run"
+    args = (
+        "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+        "--base-url", server.base_url, "--log-path", str(run_dir),
+        "--batch-size", "2", "--save-every", "3", "--lr", "1e-3",
+    )  # fmt: skip
+    first = subprocess.Popen(rlcli_argv(*args), stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 8:
+            break
+        time.sleep(0.2)
+    first.send_signal(signal.SIGINT)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 1
+    assert "stopped. Resume from the last checkpoint with:" in err and str(run_dir) in err
+    done_before = len(metrics.read_text().splitlines())
+    assert 8 <= done_before < 64
+
+    second = run(*args, "--json")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming in" in second.stderr
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    resumed_at = steps[done_before]
+    assert 0 < resumed_at <= done_before  # continued from a checkpoint, not from step 0
+    assert steps[-1] == 63  # 128 conversations / 2 = 64 steps
+
+
+def test_dry_run_plans_without_a_server(tmp_path, tiny_model, chat_file):
+    result = run(
+        "train", "sl", "--dataset", "-", "--model", str(tiny_model), "--base-url", DEAD_URL,
+        "--dry-run", "--json", "--test-size", "0.25", "--batch-size", "8",
+        "--log-path", str(tmp_path / "run"),
+        stdin=chat_file.read_text(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["examples"] == 128 and plan["held_out"] == 32 and plan["train_examples"] == 96
+    assert plan["batches_per_epoch"] == 12 and plan["steps"] == 12
+    assert plan["tokens"] > 1000 and plan["renderer"] == "qwen3_instruct"
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+def test_bad_dataset_lines_are_reported_and_nothing_is_sent(tmp_path, tiny_model):
+    data = tmp_path / "bad.jsonl"
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    data.write_text(
+        json.dumps(good) + "\n{broken\n" + json.dumps({"messages": []}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "only a question"}]}) + "\n"
+    )  # fmt: skip
+    result = run(
+        "train", "sl", "--dataset", str(data), "--model", str(tiny_model),
+        "--base-url", DEAD_URL, "--log-path", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert result.returncode == 1
+    err = result.stderr
+    assert f"{data}: 3 of 4 lines are not usable chat data; nothing was sent" in err
+    assert "line 2: not JSON" in err and "line 3: empty conversation" in err
+    assert "line 4: no assistant turn to learn from" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_dead_server_is_one_clear_line(tmp_path, tiny_model, chat_file):
+    result = run(
+        "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+        "--base-url", DEAD_URL, "--log-path", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: no Tinker server answered at {DEAD_URL}")
+    assert f"rlcli serve start --base-model {tiny_model}" in last
+
+
+def test_bad_flags_are_refused(tmp_path, tiny_model, chat_file):
+    base = ("train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model), "--dry-run")
+    result = run(*base, "--test-size", "1.5")
+    assert result.returncode == 1 and "--test-size 1.5: a fraction in [0, 1)" in result.stderr
+    result = run(*base, "--batch-size", "500")
+    assert result.returncode == 1 and "--batch-size 500: larger than the 128" in result.stderr
+    result = run("train", "sl", "--dataset", str(tmp_path / "nope"), "--model", "x/y")
+    assert result.returncode == 1 and "no such file" in result.stderr
+    result = run(*base, "--frobnicate")
+    assert result.returncode == 2 and "No such option" in result.stderr
