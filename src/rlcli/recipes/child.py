@@ -19,6 +19,10 @@ def main(run_dir: str) -> int:
         from rlcli.recipes import sl
 
         summary = sl.run_in_child(spec)
+    elif spec["recipe"] == "rl":
+        from rlcli.recipes import rl
+
+        summary = rl.run_in_child(spec)
     else:
         print(f"rlcli-error: unknown recipe {spec['recipe']!r}", flush=True)
         return 2

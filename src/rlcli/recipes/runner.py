@@ -61,6 +61,21 @@ def check_server(base_url: str, model: str) -> None:
     )
 
 
+def command_line(command: str, options) -> str:
+    """The ``rlcli`` command that reproduces ``options`` (a dataclass): every flag whose value
+    differs from its default, so a resume runs with the same settings."""
+    import dataclasses
+    import shlex
+
+    parts = command.split()
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if value is None or (f.default is not dataclasses.MISSING and value == f.default):
+            continue
+        parts += [f"--{f.name.replace('_', '-')}", str(value)]
+    return shlex.join(parts)
+
+
 def write_spec(run_dir: Path, spec: dict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / SPEC).write_text(json.dumps(spec, indent=2) + "\n")

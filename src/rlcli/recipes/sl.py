@@ -241,9 +241,9 @@ def _first_metric(run_dir: Path, key: str) -> float | None:
 
 
 def resume_command(opts: SLOptions, plan: SLPlan) -> str:
-    dataset = opts.dataset if opts.dataset != "-" else "-"
-    note = "" if opts.dataset != "-" else f"  # (stdin data is kept in {plan.run_dir})"
-    return (
-        f"rlcli train sl --dataset {dataset} --model {opts.model} --base-url {opts.base_url} "
-        f"--log-path {plan.run_dir}{note}"
-    )
+    from dataclasses import replace
+
+    from rlcli.recipes.runner import command_line
+
+    line = command_line("rlcli train sl", replace(opts, log_path=plan.run_dir))
+    return line + (f"  # stdin data is kept in {plan.run_dir}" if opts.dataset == "-" else "")

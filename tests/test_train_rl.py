@@ -1,0 +1,211 @@
+"""`rlcli train rl` on a real server with the tiny model: every loss runs through the
+cookbook's RL recipe on GSM8K from the shared folder; the loss guard fails fast; and the
+server's fused losses make a policy learn inside the cookbook's own RL loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import chz
+import numpy as np
+import pytest
+import tinker
+from tinker_cookbook.rl import train as rl_train
+from tinker_cookbook.rl.types import (
+    Env,
+    EnvGroupBuilder,
+    RLDataset,
+    RLDatasetBuilder,
+    StepResult,
+)
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+DEAD_URL = "http://127.0.0.1:9"
+LOSSES = ["importance_sampling", "ppo", "cispo", "dro", "gspo"]
+
+
+def run(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlcli.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
+
+
+def small(server, tiny_model, log_path, *extra) -> tuple[str, ...]:
+    return (
+        "train", "rl", "--model", str(tiny_model), "--base-url", server.base_url,
+        "--gsm8k-dir", str(GSM8K), "--batch-size", "2", "--group-size", "2",
+        "--max-tokens", "12", "--log-path", str(log_path), "--json", *extra,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
+@pytest.mark.parametrize("loss", LOSSES)
+def test_two_steps_with_each_loss_write_metrics_and_checkpoints(tmp_path, server, tiny_model, loss):
+    result = run(*small(server, tiny_model, tmp_path / "run", "--loss", loss, "--max-steps", "2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["loss"] == loss and summary["state_path"].startswith("tinker://")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all("env/all/reward/total" in r for r in rows)
+    assert "step 2/2" in result.stderr
+    if loss == "gspo":
+        assert "NovaSky-AI/SkyRL#2043" in result.stderr and "skyrl 0.4.0" in result.stderr
+
+
+@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
+def test_a_finished_run_resumes_and_continues(tmp_path, server, tiny_model):
+    log = tmp_path / "run"
+    first = run(*small(server, tiny_model, log, "--max-steps", "2", "--save-every", "1"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run(*small(server, tiny_model, log, "--max-steps", "3", "--save-every", "1"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming in" in second.stderr
+    steps = [json.loads(line)["step"] for line in (log / "metrics.jsonl").open()]
+    assert steps == [0, 1, 2]  # step 2 only: the first two were not redone
+
+
+def test_guard_refuses_gspo_on_jax_before_anything_runs(tmp_path, tiny_model):
+    # No server at all: the backend hint alone decides, and --dry-run needs none either.
+    for extra in ((), ("--dry-run",)):
+        result = run(
+            "train", "rl", "--model", str(tiny_model), "--base-url", DEAD_URL,
+            "--loss", "gspo", "--backend", "jax", "--gsm8k-dir", str(GSM8K),
+            "--log-path", str(tmp_path / "run"), *extra,
+        )  # fmt: skip
+        assert result.returncode == 1
+        assert "the jax backend cannot compute loss 'gspo'; it serves: cross_entropy, " in (
+            result.stderr
+        )
+        assert not (tmp_path / "run").exists()
+
+
+def test_guard_refuses_a_loss_the_live_server_lacks(tmp_path, server, tiny_model):
+    result = run(*small(server, tiny_model, tmp_path / "run", "--loss", "dppo"))
+    assert result.returncode == 1
+    assert "the torch backend cannot compute loss 'dppo'; it serves:" in result.stderr
+    assert "gspo" in result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no rollout happened
+
+
+def test_dry_run_needs_no_server_and_bad_flags_are_clear(tmp_path, tiny_model):
+    base = ("train", "rl", "--model", str(tiny_model), "--base-url", DEAD_URL, "--dry-run")
+    result = run(*base, "--gsm8k-dir", str(GSM8K), "--batch-size", "32", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["steps"] == 234 and plan["rollouts_per_step"] == 256
+    assert plan["data_source"] == str(GSM8K.resolve())
+    result = run(*base, "--loss-config", "{clip: 1}")
+    assert result.returncode == 1 and "--loss-config: not valid JSON" in result.stderr
+    result = run(*base, "--loss", "grpo")
+    assert result.returncode == 1 and "--loss grpo: choose from importance_sampling" in (
+        result.stderr
+    )
+    result = run(*base, "--gsm8k-dir", str(tmp_path))
+    assert result.returncode == 1 and "no train.jsonl or test.jsonl there" in result.stderr
+
+
+def test_offline_without_a_gsm8k_folder_names_the_flag(tmp_path, server, tiny_model):
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "RLCLI_GSM8K_DIR": ""}
+    result = run(
+        "train", "rl", "--model", str(tiny_model), "--base-url", server.base_url,
+        "--log-path", str(tmp_path / "run"), env=offline,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "pass --gsm8k-dir FOLDER (or set $RLCLI_GSM8K_DIR)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# ---- learning -------------------------------------------------------------------------------
+# A reward a tiny policy can raise quickly: the share of sampled tokens from the lower half of
+# the vocabulary (about 0.5 for the untrained model). Rising reward means the server's fused
+# loss pushed the policy the right way, through the cookbook's unmodified RL loop.
+
+
+class LowTokensEnv(Env):
+    def __init__(self, prompt: list[int], vocab: int) -> None:
+        self.prompt, self.vocab = prompt, vocab
+
+    async def initial_observation(self):
+        return tinker.ModelInput.from_ints(self.prompt), []
+
+    async def step(self, action, *, extra=None) -> StepResult:
+        tokens = list(action)
+        reward = float(np.mean([t < self.vocab // 2 for t in tokens])) if tokens else 0.0
+        return StepResult(
+            reward=reward,
+            episode_done=True,
+            next_observation=tinker.ModelInput.empty(),
+            next_stop_condition=[],
+        )
+
+
+class LowTokensGroup(EnvGroupBuilder):
+    def __init__(self, prompt: list[int], vocab: int, size: int) -> None:
+        self.prompt, self.vocab, self.size = prompt, vocab, size
+
+    async def make_envs(self) -> Sequence[Env]:
+        return [LowTokensEnv(self.prompt, self.vocab) for _ in range(self.size)]
+
+
+class LowTokensDataset(RLDataset):
+    def __init__(self, batches: int, groups: int, size: int, vocab: int) -> None:
+        self.batches, self.groups, self.size, self.vocab = batches, groups, size, vocab
+
+    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
+        return [
+            LowTokensGroup([5 + index % 7, 17 + g], self.vocab, self.size)
+            for g in range(self.groups)
+        ]
+
+    def __len__(self) -> int:
+        return self.batches
+
+
+@chz.chz
+class LowTokensBuilder(RLDatasetBuilder):
+    batches: int
+    groups: int
+    size: int
+    vocab: int
+
+    async def __call__(self):
+        return LowTokensDataset(self.batches, self.groups, self.size, self.vocab), None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["importance_sampling", "gspo"])
+def test_policy_learns_through_the_cookbook_rl_loop(tmp_path, server, tiny_model, loss):
+    config = rl_train.Config(
+        learning_rate=2e-2,
+        dataset_builder=LowTokensBuilder(batches=16, groups=4, size=8, vocab=1024),
+        model_name=str(tiny_model),
+        recipe_name="rlcli_test_learning",
+        max_tokens=8,
+        log_path=str(tmp_path / loss),
+        loss_fn=loss,
+        lora_rank=8,
+        save_every=0,
+        eval_every=0,
+        base_url=server.base_url,
+        num_groups_to_log=0,
+    )
+    os.environ.setdefault("TINKER_API_KEY", "tml-dummy")
+    asyncio.run(rl_train.main(config))
+    rewards = [
+        json.loads(line)["env/all/reward/total"]
+        for line in (tmp_path / loss / "metrics.jsonl").open()
+    ]
+    assert len(rewards) == 16
+    first, last = np.mean(rewards[:4]), np.mean(rewards[-4:])
+    assert last > first + 0.15, rewards
