@@ -102,3 +102,18 @@ def test_unknown_loss_message_lists_every_supported_loss():
     message = losses.unknown_loss_message("grpo")
     for name in ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"):
         assert name in message
+
+
+def test_loss_guard_knows_what_each_backend_serves():
+    from rlcli.errors import RlcliError
+    from rlcli.recipes import loss_guard
+
+    assert set(loss_guard.BACKEND_LOSSES["torch"]) == set(losses.LOSSES)
+    loss_guard.check_backend_hint("fsdp", "gspo")
+    loss_guard.check_backend_hint(None, "dro")
+    with pytest.raises(RlcliError, match="the jax backend cannot compute loss 'gspo'"):
+        loss_guard.check_backend_hint("jax", "gspo")
+    with pytest.raises(RlcliError, match="the megatron backend cannot compute loss 'dro'"):
+        loss_guard.check_backend_hint("megatron", "dro")
+    with pytest.raises(RlcliError, match="--backend tpu: choose from torch, jax"):
+        loss_guard.check_backend_hint("tpu", "ppo")

@@ -121,3 +121,22 @@ def build_tiny_model(
     model.save_pretrained(out)
     (out / "rlcli_tiny.json").write_text(json.dumps({"seed": seed, "kind": "rlcli-tiny"}) + "\n")
     return out
+
+
+def import_gguf(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Convert a GGUF checkpoint (dequantized to float32) into a ``save_pretrained`` folder,
+    which every part of the stack loads: the server, the SDK's tokenizer, the cookbook."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(gguf_file).expanduser().resolve()
+    if not source.is_file():
+        from rlcli.errors import RlcliError
+
+        raise RlcliError(f"{gguf_file}: no such GGUF file")
+    target = Path(out).expanduser().resolve()
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
+    target.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(target)
+    model.save_pretrained(target)
+    return target

