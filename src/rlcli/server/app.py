@@ -28,7 +28,7 @@ from rlcli.server.validate import RequestError, validate_forward_backward
 
 log = logging.getLogger("rlcli.server")
 
-POLL_SECONDS = 20.0  # long-poll window of retrieve_future; the client waits up to 45 s
+POLL_SECONDS = 35.0  # long-poll window of retrieve_future; the client waits up to 45 s
 
 
 @dataclass
