@@ -143,7 +143,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from rlcli.backends import process
-    from rlcli.backends.torch import TorchServerOptions, server_command
+    from rlcli.backends import torch as torch_backend
     from rlcli.demo import free_port
     from rlcli.models import build_tiny_model
 
@@ -153,11 +153,8 @@ def main() -> None:
         )
         port = free_port()
         home = Path(tmp) / "home"
-        opts = TorchServerOptions(base_model=model, port=port, device="cpu")
-        record, healthy = process.start_detached(
-            home, server_command(opts), host="127.0.0.1", port=port, base_model=model,
-            backend="torch", wait=300,
-        )  # fmt: skip
+        opts = torch_backend.TorchServerOptions(base_model=model, port=port, device="cpu")
+        record, healthy = torch_backend.start(home, opts, wait=300)
         assert healthy, "server did not become healthy"
         try:
             result = run(record.base_url, model, args)

@@ -56,18 +56,15 @@ def main() -> None:
     args = parser.parse_args()
 
     from rlcli.backends import process
-    from rlcli.backends.torch import TorchServerOptions, server_command
+    from rlcli.backends import torch as torch_backend
     from rlcli.demo import free_port
     from rlcli.home import rlcli_home
 
     model = smollm2_folder(rlcli_home() / "models" / "smollm2-135m-instruct")
     with tempfile.TemporaryDirectory() as tmp:
         port, home = free_port(), Path(tmp) / "home"
-        opts = TorchServerOptions(base_model=str(model), port=port, device="cpu")
-        record, healthy = process.start_detached(
-            home, server_command(opts), host="127.0.0.1", port=port, base_model=str(model),
-            backend="torch", wait=600,
-        )  # fmt: skip
+        opts = torch_backend.TorchServerOptions(base_model=str(model), port=port, device="cpu")
+        record, healthy = torch_backend.start(home, opts, wait=600)
         assert healthy
         run_dir = Path(tmp) / "run"
         started = time.perf_counter()

@@ -37,7 +37,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlcli.backends import process
-    from rlcli.backends.torch import TorchServerOptions, server_command
+    from rlcli.backends import torch as torch_backend
     from rlcli.demo import free_port
     from rlcli.models import build_tiny_model
 
@@ -49,11 +49,8 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompt_ids = tokenizer.encode("What is 12 + 30? Think step by step.")
         port, home = free_port(), Path(tmp) / "home"
-        opts = TorchServerOptions(base_model=model_dir, port=port, device="cpu")
-        record, healthy = process.start_detached(
-            home, server_command(opts), host="127.0.0.1", port=port, base_model=model_dir,
-            backend="torch", wait=300,
-        )  # fmt: skip
+        opts = torch_backend.TorchServerOptions(base_model=model_dir, port=port, device="cpu")
+        record, healthy = torch_backend.start(home, opts, wait=300)
         assert healthy
         try:
             service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")

@@ -111,7 +111,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from rlcli.backends import process
-    from rlcli.backends.torch import TorchServerOptions, server_command
+    from rlcli.backends import torch as torch_backend
     from rlcli.demo import free_port
     from rlcli.models import build_tiny_model
 
@@ -120,12 +120,9 @@ def main() -> None:
             build_tiny_model(Path(tmp) / "m", hidden_size=args.hidden, num_layers=args.layers)
         )
         port = free_port()
-        opts = TorchServerOptions(base_model=model, port=port, device="cpu")
+        opts = torch_backend.TorchServerOptions(base_model=model, port=port, device="cpu")
         home = Path(tmp) / "home"
-        record, healthy = process.start_detached(
-            home, server_command(opts), host="127.0.0.1", port=port, base_model=model,
-            backend="torch", wait=300,
-        )  # fmt: skip
+        record, healthy = torch_backend.start(home, opts, wait=300)
         assert healthy, "server did not become healthy"
         try:
             from transformers import AutoConfig

@@ -19,24 +19,14 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def start_server(home: Path, model: Path, **options):
     """Start the torch backend through the same code path as `rlcli serve start`."""
-    from rlcli.backends import process
-    from rlcli.backends.torch import API_KEY_ENV, TorchServerOptions, server_command
+    from rlcli.backends import torch as torch_backend
     from rlcli.demo import free_port
 
-    api_key = options.pop("api_key", None)
     options.setdefault("checkpoints_dir", str(home / "checkpoints"))
-    port = free_port()
-    opts = TorchServerOptions(base_model=str(model), port=port, device="cpu", **options)
-    record, healthy = process.start_detached(
-        home,
-        server_command(opts),
-        host="127.0.0.1",
-        port=port,
-        base_model=str(model),
-        backend="torch",
-        wait=120,
-        env={API_KEY_ENV: api_key} if api_key else None,
+    opts = torch_backend.TorchServerOptions(
+        base_model=str(model), port=free_port(), device="cpu", **options
     )
+    record, healthy = torch_backend.start(home, opts, wait=120)
     assert healthy, Path(record.log_path).read_text()[-3000:]
     return record
 

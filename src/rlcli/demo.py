@@ -57,7 +57,7 @@ def run_demo(
     from tinker import types
 
     from rlcli.backends import process
-    from rlcli.backends.torch import TorchServerOptions, server_command
+    from rlcli.backends import torch as torch_backend
     from rlcli.models import build_tiny_model, is_local_model
 
     model_dir = home / "models" / "tiny"
@@ -68,18 +68,10 @@ def run_demo(
     demo_home.mkdir(parents=True, exist_ok=True)
     process.stop(demo_home)  # a demo interrupted earlier may have left one behind
     port = free_port()
-    options = TorchServerOptions(base_model=str(model_dir), port=port, device="cpu")
+    options = torch_backend.TorchServerOptions(base_model=str(model_dir), port=port, device="cpu")
     report(f"starting a server on 127.0.0.1:{port}")
     started = time.monotonic()
-    record, healthy = process.start_detached(
-        demo_home,
-        server_command(options),
-        host="127.0.0.1",
-        port=port,
-        base_model=str(model_dir),
-        backend="torch",
-        wait=120,
-    )
+    record, healthy = torch_backend.start(demo_home, options, wait=120)
     losses = []
     try:
         if not healthy:

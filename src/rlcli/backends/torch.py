@@ -6,6 +6,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlcli.backends import process
 from rlcli.errors import RlcliError
 from rlcli.models import is_local_model, resolve_model_name
 
@@ -54,3 +55,19 @@ def server_command(options: TorchServerOptions) -> list[str]:
 
 
 API_KEY_ENV = "RLCLI_SERVER_API_KEY"
+
+
+def start(
+    home: Path, options: TorchServerOptions, *, wait: float
+) -> tuple[process.ServerRecord, bool]:
+    """Start our server detached under ``home`` (see ``process.start_detached``)."""
+    return process.start_detached(
+        home,
+        server_command(options),
+        host=options.host,
+        port=options.port,
+        base_model=options.base_model,
+        backend="torch",
+        wait=wait,
+        env={API_KEY_ENV: options.api_key} if options.api_key else None,
+    )

@@ -53,12 +53,7 @@ def start(
 ) -> None:
     """Start a server in the background, wait until it is healthy and print its base URL."""
     from rlcli.backends import process
-    from rlcli.backends.torch import (
-        API_KEY_ENV,
-        TorchServerOptions,
-        check_base_model,
-        server_command,
-    )
+    from rlcli.backends import torch as torch_backend
 
     if backend not in BACKENDS:
         raise RlcliError(f"--backend {backend}: unknown backend; choose from {', '.join(BACKENDS)}")
@@ -71,8 +66,8 @@ def start(
     if api_key and not api_key.startswith("tml-"):
         raise RlcliError("--api-key: tinker clients only send keys that start with 'tml-'")
     home = _home()
-    options = TorchServerOptions(
-        base_model=check_base_model(base_model),
+    options = torch_backend.TorchServerOptions(
+        base_model=torch_backend.check_base_model(base_model),
         host=host,
         port=port,
         device=device,
@@ -80,23 +75,14 @@ def start(
         max_lora_rank=max_lora_rank,
         checkpoints_dir=str((checkpoints_dir or home / "checkpoints").expanduser().resolve()),
         session_timeout=session_timeout,
+        api_key=api_key,
     )
-    command = server_command(options)
-    env = {API_KEY_ENV: api_key} if api_key else {}
     if foreground:
         process.check_port_free(host, port)
-        os.execve(sys.executable, command, {**os.environ, **env})
+        env = {torch_backend.API_KEY_ENV: api_key} if api_key else {}
+        os.execve(sys.executable, torch_backend.server_command(options), {**os.environ, **env})
     info(f"starting the {backend} server for {options.base_model} on {host}:{port} ...")
-    record, healthy = process.start_detached(
-        home,
-        command,
-        host=host,
-        port=port,
-        base_model=options.base_model,
-        backend=backend,
-        wait=wait,
-        env=env,
-    )
+    record, healthy = torch_backend.start(home, options, wait=wait)
     result = {
         "base_url": record.base_url,
         "pid": record.pid,

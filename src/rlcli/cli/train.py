@@ -20,6 +20,23 @@ def _base_url(flag: str | None) -> str:
     return flag or os.environ.get("TINKER_BASE_URL") or "http://localhost:8000"
 
 
+def _run(recipe, opts, plan, what: str, show: dict[str, str], as_json: bool) -> None:
+    """Save the spec, run the recipe with progress, print its summary."""
+    from rlcli.recipes import runner
+
+    run_dir = Path(plan.run_dir)
+    info(f"{'resuming' if plan.resuming else 'training'} in {run_dir}: {what}")
+    runner.write_spec(run_dir, recipe.spec(opts, plan))
+    summary = runner.run_recipe(
+        run_dir,
+        total_steps=plan.steps,
+        show=show,
+        resume_hint=recipe.resume_command(opts, plan),
+        report=info,
+    )
+    emit(summary, as_json=as_json, title="done")
+
+
 @app.command("sl")
 def sl(
     dataset: str = typer.Option(..., help="Chat JSONL ({'messages': [...]}) or - for stdin."),
@@ -59,21 +76,9 @@ def sl(
         emit(asdict(plan), as_json=as_json, title="training plan (dry run)")
         return
     runner.check_server(opts.base_url, model)
-    run_dir = Path(plan.run_dir)
-    info(
-        f"{'resuming' if plan.resuming else 'training'} in {run_dir}: {plan.train_examples} "
-        f"conversations, {plan.steps} steps"
-        + (f", {plan.held_out} held out" if plan.held_out else "")
-    )
-    runner.write_spec(run_dir, recipe.spec(opts, plan))
-    summary = runner.run_recipe(
-        run_dir,
-        total_steps=plan.steps,
-        show={"train_mean_nll": "loss"},
-        resume_hint=recipe.resume_command(opts, plan),
-        report=info,
-    )
-    emit(summary, as_json=as_json, title="done")
+    held_out = f", {plan.held_out} held out" if plan.held_out else ""
+    what = f"{plan.train_examples} conversations, {plan.steps} steps{held_out}"
+    _run(recipe, opts, plan, what, {"train_mean_nll": "loss"}, as_json)
 
 
 @app.command("rl")
@@ -135,17 +140,6 @@ def rl(
         gsm8k.load_rows(None, "test")
     runner.check_server(opts.base_url, model)
     served_by = loss_guard.check_server(opts.base_url, loss, backend, model)
-    run_dir = Path(plan.run_dir)
-    info(
-        f"{'resuming' if plan.resuming else 'training'} in {run_dir}: loss {loss} "
-        f"({served_by} backend), {plan.steps} steps of {plan.rollouts_per_step} rollouts"
-    )
-    runner.write_spec(run_dir, recipe.spec(opts, plan))
-    summary = runner.run_recipe(
-        run_dir,
-        total_steps=plan.steps,
-        show={recipe.REWARD: "reward", recipe.ACCURACY: "acc"},
-        resume_hint=recipe.resume_command(opts, plan),
-        report=info,
-    )
-    emit(summary, as_json=as_json, title="done")
+    what = f"loss {loss} ({served_by} backend), {plan.steps} steps of "
+    what += f"{plan.rollouts_per_step} rollouts"
+    _run(recipe, opts, plan, what, {recipe.REWARD: "reward", recipe.ACCURACY: "acc"}, as_json)

@@ -102,17 +102,20 @@ def _openai_message(message: dict, keep_tools: bool, where: str) -> dict | None:
     return {"role": role, "content": text}
 
 
+def _openai_messages(messages: list, keep_tools: bool) -> list[dict]:
+    converted = (
+        _openai_message(message, keep_tools, f"messages[{i}]") for i, message in enumerate(messages)
+    )
+    return [m for m in converted if m]
+
+
 def from_openai(row: dict, keep_tools: bool) -> list[dict]:
     """Chat-completions logs: request messages plus the response's chosen message. Accepts
     ``{request, response}``, batch-API ``{body, response: {body}}`` and flat layouts."""
     messages = _dig(row, "request.messages", "body.messages", "messages", "input")
     if not isinstance(messages, list):
         raise FormatError('no request "messages" list (looked in request, body and top level)')
-    out = []
-    for i, message in enumerate(messages):
-        converted = _openai_message(message, keep_tools, f"messages[{i}]")
-        if converted:
-            out.append(converted)
+    out = _openai_messages(messages, keep_tools)
     chosen = _dig(
         row,
         "response.choices.0.message",
@@ -152,15 +155,12 @@ def from_anthropic(row: dict, keep_tools: bool) -> list[dict]:
 
 
 def from_messages(row: dict, keep_tools: bool) -> list[dict]:
+    """Already ``{"messages": [...]}``; roles normalized (human -> user, ai/model/bot ->
+    assistant), content parts flattened."""
     messages = row.get("messages")
     if not isinstance(messages, list):
         raise FormatError('no "messages" list')
-    out = []
-    for i, message in enumerate(messages):
-        converted = _openai_message(message, keep_tools, f"messages[{i}]")
-        if converted:
-            out.append(converted)
-    return out
+    return _openai_messages(messages, keep_tools)
 
 
 def from_sharegpt(row: dict, keep_tools: bool) -> list[dict]:

@@ -296,7 +296,9 @@ class Engine:
     def _adapter_state(self, name: str) -> dict[str, torch.Tensor]:
         from peft.utils import get_peft_model_state_dict
 
-        state = get_peft_model_state_dict(self.peft, adapter_name=name)
+        # Only the LoRA matrices: with tied embeddings peft would otherwise add the whole
+        # (frozen) embedding matrix to every checkpoint and sampler snapshot.
+        state = get_peft_model_state_dict(self.peft, adapter_name=name, save_embedding_layers=False)
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
     def save_state(self, model_id: str, directory: str, kind: str, meta: dict) -> dict:
