@@ -149,6 +149,11 @@ def test_official_cli_lists_and_downloads_a_peft_loadable_adapter(
     assert trainer.model_id in [r["training_run_id"] for r in runs["runs"]]
     assert path in [c["tinker_path"] for c in listed["checkpoints"]]
 
+    info_args = ("checkpoint", "info", path)
+    if not via_rlcli:
+        info_args = ("-f", "json", *info_args)
+    info_out = _tinker_cli(record.base_url, *info_args, via_rlcli=via_rlcli).stdout
+    assert "sampler_weights/export" in info_out
     args = ("checkpoint", "download", path, "-o", str(tmp_path))
     _tinker_cli(record.base_url, *args, via_rlcli=via_rlcli)
     (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]

@@ -117,3 +117,21 @@ def test_loss_guard_knows_what_each_backend_serves():
         loss_guard.check_backend_hint("megatron", "dro")
     with pytest.raises(RlcliError, match="--backend tpu: choose from torch, jax"):
         loss_guard.check_backend_hint("tpu", "ppo")
+
+
+def test_sampling_filters_apply_top_k_and_top_p_per_row():
+    from rlcli.server.sampling import filter_logits
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
+    out = filter_logits(
+        logits,
+        temperature=torch.ones(3),
+        top_k=torch.tensor([2, -1, -1]),
+        top_p=torch.tensor([1.0, 0.7, 1.0]),
+    )
+    kept = torch.isfinite(out)
+    assert kept[0].tolist() == [True, True, False, False]  # top-k 2
+    assert kept[1].tolist() == [True, True, False, False]  # 0.5 + 0.3 covers p = 0.7
+    assert kept[2].all()  # no filter
+    probs = out.softmax(-1)
+    assert torch.allclose(probs[0, :2], torch.tensor([0.625, 0.375]))

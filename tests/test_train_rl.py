@@ -209,3 +209,13 @@ def test_policy_learns_through_the_cookbook_rl_loop(tmp_path, server, tiny_model
     assert len(rewards) == 16
     first, last = np.mean(rewards[:4]), np.mean(rewards[-4:])
     assert last > first + 0.15, rewards
+
+
+def test_probe_detects_a_loss_the_server_refuses(server, tiny_model):
+    """The path used against SkyRL servers (whose capabilities list no losses)."""
+    from rlcli.errors import RlcliError
+    from rlcli.recipes import loss_guard
+
+    loss_guard._probe(server.base_url, "ppo", "torch", str(tiny_model))  # served: no error
+    with pytest.raises(RlcliError, match=r"refused loss 'dppo' \(400\); losses it serves: cross"):
+        loss_guard._probe(server.base_url, "dppo", "jax", str(tiny_model))

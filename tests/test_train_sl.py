@@ -165,3 +165,36 @@ def test_bad_flags_are_refused(tmp_path, tiny_model, chat_file):
     assert result.returncode == 1 and "no such file" in result.stderr
     result = run(*base, "--frobnicate")
     assert result.returncode == 2 and "No such option" in result.stderr
+
+
+def test_an_error_inside_the_recipe_is_one_line(tmp_path, tiny_model, chat_file):
+    from conftest import start_server
+    from rlcli.backends import process
+
+    record = start_server(tmp_path / "srv", tiny_model, api_key="tml-secret")
+    try:
+        result = subprocess.run(
+            rlcli_argv(
+                "train",
+                "sl",
+                "--dataset",
+                str(chat_file),
+                "--model",
+                str(tiny_model),
+                "--base-url",
+                record.base_url,
+                "--log-path",
+                str(tmp_path / "run"),
+            ),  # fmt: skip
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TINKER_API_KEY": "tml-wrong"},
+            timeout=300,
+        )
+    finally:
+        process.stop(tmp_path / "srv")
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the run failed with AuthenticationError")
+    assert "X-API-Key" in last and "console.log" in last
+    assert "Traceback" not in result.stderr

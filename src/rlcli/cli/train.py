@@ -20,7 +20,7 @@ def _base_url(flag: str | None) -> str:
     return flag or os.environ.get("TINKER_BASE_URL") or "http://localhost:8000"
 
 
-def _run(recipe, opts, plan, what: str, show: dict[str, str], as_json: bool) -> None:
+def _run(recipe, opts, plan, what: str, show: dict[str, str], as_json: bool, tokens_key: str):
     """Save the spec, run the recipe with progress, print its summary."""
     from rlcli.recipes import runner
 
@@ -33,6 +33,7 @@ def _run(recipe, opts, plan, what: str, show: dict[str, str], as_json: bool) -> 
         show=show,
         resume_hint=recipe.resume_command(opts, plan),
         report=info,
+        tokens_key=tokens_key,
     )
     emit(summary, as_json=as_json, title="done")
 
@@ -78,7 +79,7 @@ def sl(
     runner.check_server(opts.base_url, model)
     held_out = f", {plan.held_out} held out" if plan.held_out else ""
     what = f"{plan.train_examples} conversations, {plan.steps} steps{held_out}"
-    _run(recipe, opts, plan, what, {"train_mean_nll": "loss"}, as_json)
+    _run(recipe, opts, plan, what, {"train_mean_nll": "loss"}, as_json, "num_tokens")
 
 
 @app.command("rl")
@@ -142,4 +143,5 @@ def rl(
     served_by = loss_guard.check_server(opts.base_url, loss, backend, model)
     what = f"loss {loss} ({served_by} backend), {plan.steps} steps of "
     what += f"{plan.rollouts_per_step} rollouts"
-    _run(recipe, opts, plan, what, {recipe.REWARD: "reward", recipe.ACCURACY: "acc"}, as_json)
+    show = {recipe.REWARD: "reward", recipe.ACCURACY: "acc"}
+    _run(recipe, opts, plan, what, show, as_json, recipe.SAMPLED_TOKENS)

@@ -1,6 +1,7 @@
 """``python -m rlcli.recipes.child RUN_DIR``: run the recipe a spec describes (see runner.py).
 
-Errors rlcli can explain are printed as one ``rlcli-error:`` line, which the parent shows.
+A failure ends with one ``rlcli-error:`` line (the exception, and where the full log is),
+which the parent shows as the error.
 """
 
 from __future__ import annotations
@@ -13,7 +14,22 @@ from rlcli.recipes.runner import SPEC, SUMMARY
 
 
 def main(run_dir: str) -> int:
-    folder = Path(run_dir)
+    try:
+        return _run(Path(run_dir))
+    except Exception as e:  # the full traceback stays in console.log; the user gets one line
+        import traceback
+
+        traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0][:500]
+        print(
+            f"rlcli-error: the run failed with {type(e).__name__}: {first} "
+            f"(details: {Path(run_dir) / 'console.log'})",
+            flush=True,
+        )
+        return 1
+
+
+def _run(folder: Path) -> int:
     spec = json.loads((folder / SPEC).read_text())
     if spec["recipe"] == "sl":
         from rlcli.recipes import sl

@@ -64,10 +64,15 @@ def check_server(base_url: str, loss: str, backend: str | None, model: str) -> s
 
 def _probe(base_url: str, loss: str, backend: str, model: str) -> None:
     """A one-datum forward with ``loss``: cheap, and refused by servers that lack it."""
+    import os
+
     import tinker
     from tinker import types
 
-    service = tinker.ServiceClient(base_url=base_url)
+    from rlcli.compat import DEFAULT_API_KEY
+
+    api_key = os.environ.get("TINKER_API_KEY") or DEFAULT_API_KEY
+    service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
     trainer = service.create_lora_training_client(base_model=model, rank=1)
     datum = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2]),

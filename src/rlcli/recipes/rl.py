@@ -156,6 +156,7 @@ def cookbook_config(spec: dict):
 
 
 REWARD, ACCURACY = "env/all/reward/total", "env/all/correct"
+SAMPLED_TOKENS = "env/all/total_ac_tokens"  # per step: behind the tokens/s shown
 
 
 def run_in_child(spec: dict) -> dict:

@@ -87,9 +87,11 @@ def run_recipe(
     show: dict[str, str],
     resume_hint: str,
     report: Callable[[str], None],
+    tokens_key: str = "num_tokens",
 ) -> dict:
     """Run the recipe in ``run_dir``; returns its summary. ``show`` maps metric keys to the
-    labels printed per step (e.g. ``{"train_mean_nll": "loss"}``)."""
+    labels printed per step (e.g. ``{"train_mean_nll": "loss"}``); ``tokens_key`` is the
+    per-step token count behind tokens/s."""
     metrics = run_dir / "metrics.jsonl"
     seen = _count_lines(metrics)  # a resumed run already has rows
     (run_dir / SUMMARY).unlink(missing_ok=True)
@@ -116,7 +118,7 @@ def run_recipe(
                 if first is None:
                     first = (step, now)
                 else:
-                    tokens_since_first += int(row.get("num_tokens") or 0)
+                    tokens_since_first += int(row.get(tokens_key) or 0)
                 steps_done, elapsed = step - first[0], now - first[1]
                 per_step = elapsed / steps_done if steps_done else None
                 progress.update(
