@@ -12,8 +12,9 @@ def demo(
     lr: float = typer.Option(5e-3, help="Learning rate."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Build the tiny model, start a server, train a few SFT steps through the tinker SDK,
-    stop the server. Needs no network."""
+    """Smoke-test the install: tiny model, real server, a few SFT steps, offline.
+
+    Builds the tiny model, starts a server, trains through the tinker SDK, stops the server."""
     from rlcli.demo import run_demo
     from rlcli.home import rlcli_home
 

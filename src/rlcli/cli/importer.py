@@ -25,8 +25,10 @@ def import_(
     keep_tools: bool = typer.Option(False, help="Keep tool calls and results, as text."),
     strict: bool = typer.Option(False, help="Any bad line is fatal (nothing is written)."),
 ) -> None:
-    """Convert chat logs to the JSONL that `rlcli train sl` reads. Bad lines are reported by
-    number on stderr; conversations without an assistant turn are skipped and counted."""
+    """Convert chat logs to the JSONL that `rlcli train sl` reads.
+
+    Bad lines are reported by number on stderr; conversations without an assistant turn are
+    skipped and counted."""
     from rlcli.data.importers import FORMATS, ImportReport, import_lines
 
     if fmt not in FORMATS:

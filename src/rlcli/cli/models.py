@@ -8,7 +8,9 @@ import typer
 
 from rlcli.cli._output import emit, info
 
-app = typer.Typer(help="Base models: build the tiny offline test model.", no_args_is_help=True)
+app = typer.Typer(
+    help="Base models: the tiny offline test model, GGUF import.", no_args_is_help=True
+)
 
 
 @app.command("tiny")
@@ -19,8 +21,10 @@ def tiny(
     layers: int = typer.Option(2, help="Number of transformer layers."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Build a tiny Qwen3 model (a few hundred thousand parameters) with a locally trained
-    tokenizer and a ChatML chat template. No download; use it to smoke-test an install."""
+    """Build a tiny Qwen3 model offline, for tests and smoke tests.
+
+    A few hundred thousand parameters, a locally trained byte-level BPE tokenizer and a ChatML
+    chat template; nothing is downloaded."""
     from rlcli.models import build_tiny_model
 
     info(f"building a tiny model in {path} ...")

@@ -43,9 +43,9 @@ def sl(
     dataset: str = typer.Option(..., help="Chat JSONL ({'messages': [...]}) or - for stdin."),
     model: str = typer.Option(..., help="Base model: hub id or local folder."),
     base_url: str = typer.Option(
-        None, help="Tinker server [default: $TINKER_BASE_URL or http://localhost:8000]."
+        None, help="Tinker server (default: $TINKER_BASE_URL or http://localhost:8000)."
     ),
-    renderer: str = typer.Option(None, help="Chat renderer [default: recommended for the model]."),
+    renderer: str = typer.Option(None, help="Chat renderer (default: recommended for the model)."),
     batch_size: int = typer.Option(8, help="Conversations per step."),
     lr: float = typer.Option(1e-4, help="Peak learning rate (linear decay)."),
     max_length: int = typer.Option(2048, help="Truncate conversations to this many tokens."),
@@ -55,7 +55,7 @@ def sl(
     test_size: float = typer.Option(0.0, help="Fraction of conversations held out (0-1)."),
     max_steps: int = typer.Option(None, help="Stop after this many steps."),
     log_path: str = typer.Option(
-        None, help="Run folder [default: $RLCLI_HOME/runs/sl-<time>]; reuse it to resume."
+        None, help="Run folder (default: $RLCLI_HOME/runs/sl-<time>); reuse it to resume."
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; contact no server."),
     as_json: bool = typer.Option(False, "--json", help="Print results as JSON."),
@@ -86,7 +86,7 @@ def sl(
 def rl(
     model: str = typer.Option(..., help="Base model: hub id or local folder."),
     base_url: str = typer.Option(
-        None, help="Tinker server [default: $TINKER_BASE_URL or http://localhost:8000]."
+        None, help="Tinker server (default: $TINKER_BASE_URL or http://localhost:8000)."
     ),
     loss: str = typer.Option(
         "importance_sampling",
@@ -98,9 +98,9 @@ def rl(
     ),
     dataset: str = typer.Option("gsm8k", help="Problems to train on (gsm8k)."),
     gsm8k_dir: str = typer.Option(
-        None, help="Folder with GSM8K train.jsonl/test.jsonl [env: RLCLI_GSM8K_DIR; else the hub]."
+        None, help="Folder with GSM8K train.jsonl/test.jsonl (env: RLCLI_GSM8K_DIR; else the hub)."
     ),
-    renderer: str = typer.Option(None, help="Chat renderer [default: recommended for the model]."),
+    renderer: str = typer.Option(None, help="Chat renderer (default: recommended for the model)."),
     batch_size: int = typer.Option(64, help="Problems per step."),
     group_size: int = typer.Option(8, help="Rollouts per problem."),
     lr: float = typer.Option(4e-5, help="Learning rate."),
@@ -111,7 +111,7 @@ def rl(
     eval_size: int = typer.Option(200, help="Test problems per evaluation."),
     max_steps: int = typer.Option(None, help="Stop after this many steps."),
     log_path: str = typer.Option(
-        None, help="Run folder [default: $RLCLI_HOME/runs/rl-<time>]; reuse it to resume."
+        None, help="Run folder (default: $RLCLI_HOME/runs/rl-<time>); reuse it to resume."
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; contact no server."),
     as_json: bool = typer.Option(False, "--json", help="Print results as JSON."),

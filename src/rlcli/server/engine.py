@@ -8,6 +8,7 @@ which is the order each tinker client submits them in.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -29,7 +30,9 @@ log = logging.getLogger("rlcli.engine")
 LORA_ALPHA = 32  # fixed, as on Tinker: the learning rate does not have to move with the rank
 MICROBATCH_TOKENS = 16384  # padded tokens per forward pass; bounds activation memory
 MAX_LOADED_SAMPLERS = 8  # sampler snapshots kept as live peft adapters (LRU)
-MAX_SNAPSHOTS = 64  # in-memory sampler snapshots kept for reloading (oldest dropped)
+# In-memory sampler snapshots kept for reloading (oldest dropped). RL makes one per step and
+# samples from it for that step only; a LoRA of a 4B model is ~250 MB in float32.
+MAX_SNAPSHOTS = 16
 SAMPLE_ROWS_PER_BATCH = 64  # rows (prompt x sample) decoded together
 
 
@@ -373,6 +376,7 @@ class Engine:
             config, state, _ = checkpoints.read_adapter(key, optimizer=False)
             self.snapshots[key] = (config, state)
         config, state = self.snapshots[key]
+        config = copy.deepcopy(config)  # peft keeps (and may change) the config it is given
         while len(self.loaded_samplers) >= MAX_LOADED_SAMPLERS:
             self._unload_sampler(next(iter(self.loaded_samplers)))
         name = f"sampler-{len(self.loaded_samplers)}-{time.monotonic_ns()}"
