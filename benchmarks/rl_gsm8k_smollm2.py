@@ -46,12 +46,12 @@ def smollm2_folder(cache: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    # Sized for a 2-core CPU (about 20 minutes): each step samples 16 answers and trains on them.
+    # Sized for a 2-core CPU (about 30 minutes): each step samples 16 answers and trains on them.
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--eval-size", type=int, default=24)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--lr", type=float, default=4e-5)
     parser.add_argument("--gsm8k-dir", default=str(GSM8K))
     args = parser.parse_args()

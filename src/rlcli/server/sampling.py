@@ -117,7 +117,15 @@ def generate(
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     input_ids, attention, positions = (t.to(device) for t in (input_ids, attention, positions))
 
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions)
+    # Logits over the whole prompt only when prompt logprobs are wanted: [rows, width, vocab]
+    # floats is gigabytes for a 50k vocabulary.
+    want_prompt = any(job.prompt_logprobs or job.topk_prompt_logprobs for job in jobs)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=positions,
+        logits_to_keep=0 if want_prompt else 1,
+    )
     cache, logits = out.past_key_values, out.logits
 
     outputs = [SampleOutput(sequences=[]) for _ in jobs]
