@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlcli.errors import RlcliError
-from rlcli.recipes.sl import _first_metric, _last_metric, default_run_dir
+from rlcli.recipes.sl import default_run_dir, first_metric, last_metric
 
 GSM8K_TRAIN_ROWS = 7473
 # What the guard and `--loss gspo` users should know about SkyRL's multi-GPU backends.
@@ -174,10 +174,10 @@ def run_in_child(spec: dict) -> dict:
         "loss": config.loss_fn,
         "state_path": last.state_path if last else None,
         "sampler_path": last.get("sampler_path") if last else None,
-        "first_reward": _first_metric(run_dir, REWARD),
-        "final_reward": _last_metric(run_dir, REWARD),
-        "final_accuracy": _last_metric(run_dir, ACCURACY),
-        "test_accuracy": _last_metric(run_dir, "test/env/all/correct"),
+        "first_reward": first_metric(run_dir, REWARD),
+        "final_reward": last_metric(run_dir, REWARD),
+        "final_accuracy": last_metric(run_dir, ACCURACY),
+        "test_accuracy": last_metric(run_dir, "test/env/all/correct"),
     }
 
 

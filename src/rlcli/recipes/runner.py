@@ -3,7 +3,8 @@
 The recipe (``python -m rlcli.recipes.child <run_dir>``) writes the cookbook's usual files into
 the run folder; its console output goes to ``console.log`` there. This side follows
 ``metrics.jsonl`` for progress (a bar on a terminal, plain lines otherwise), turns Ctrl-C into a
-clean stop with the resume command, and turns a crash into one line plus the log's last lines.
+clean stop with the resume command, and turns a crash into one line (the child's
+``rlcli-error:`` line, else the log's last lines).
 """
 
 from __future__ import annotations

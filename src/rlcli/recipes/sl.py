@@ -210,8 +210,8 @@ def run_in_child(spec: dict) -> dict:
         "run_dir": config.log_path,
         "state_path": last.state_path if last else None,
         "sampler_path": last.get("sampler_path") if last else None,
-        "final_loss": _last_metric(Path(config.log_path), "train_mean_nll"),
-        "first_loss": _first_metric(Path(config.log_path), "train_mean_nll"),
+        "final_loss": last_metric(Path(config.log_path), "train_mean_nll"),
+        "first_loss": first_metric(Path(config.log_path), "train_mean_nll"),
     }
     if spec["plan"]["held_out"] and last is not None:
         _, test_ds = config.dataset_builder()
@@ -222,7 +222,7 @@ def run_in_child(spec: dict) -> dict:
     return summary
 
 
-def _metric_rows(run_dir: Path, key: str) -> list[float]:
+def metric_rows(run_dir: Path, key: str) -> list[float]:
     try:
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     except FileNotFoundError:
@@ -230,13 +230,13 @@ def _metric_rows(run_dir: Path, key: str) -> list[float]:
     return [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
 
 
-def _last_metric(run_dir: Path, key: str) -> float | None:
-    values = _metric_rows(run_dir, key)
+def last_metric(run_dir: Path, key: str) -> float | None:
+    values = metric_rows(run_dir, key)
     return values[-1] if values else None
 
 
-def _first_metric(run_dir: Path, key: str) -> float | None:
-    values = _metric_rows(run_dir, key)
+def first_metric(run_dir: Path, key: str) -> float | None:
+    values = metric_rows(run_dir, key)
     return values[0] if values else None
 
 
