@@ -25,6 +25,16 @@ def machine() -> dict:
     }
 
 
+def timed(step, n: int) -> list[float]:
+    """Seconds taken by each of ``n`` calls of ``step()``."""
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def summary(samples: list[float]) -> dict:
     return {
         "median": statistics.median(samples),

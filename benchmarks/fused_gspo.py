@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -106,14 +105,7 @@ def run(base_url, model, args) -> dict:
         opt = two_pass_client.optim_step(adam)
         fb.result(), opt.result()
 
-    def timed(step, n):
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            step()
-            out.append(time.perf_counter() - t0)
-        return out
-
+    timed = _receipt.timed
     timed(fused_step, 2), timed(two_pass_step, 2)  # warm up
     fused_s, two_pass_s = [], []
     for _ in range(args.rounds):

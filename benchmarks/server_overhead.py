@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -89,15 +88,6 @@ def inprocess_stepper(model_path: str, seqs, rank: int):
     return step
 
 
-def timed(step, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -131,6 +121,7 @@ def main() -> None:
             seqs = make_batch(vocab, args.batch, args.seq_len)
             server_step = server_stepper(record.base_url, model, seqs, args.rank)
             local_step = inprocess_stepper(model, seqs, args.rank)
+            timed = _receipt.timed
             timed(server_step, 3), timed(local_step, 3)  # warm up both
             server_s, local_s = [], []
             for _ in range(args.rounds):
