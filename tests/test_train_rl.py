@@ -28,6 +28,8 @@ from tinker_cookbook.rl.types import (
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 DEAD_URL = "http://127.0.0.1:9"
 LOSSES = ["importance_sampling", "ppo", "cispo", "dro", "gspo"]
+# CI and sessions have ../shared beside the checkout; elsewhere these tests cannot run.
+needs_gsm8k = pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
 
 
 def run(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
@@ -48,7 +50,7 @@ def small(server, tiny_model, log_path, *extra) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
+@needs_gsm8k
 @pytest.mark.parametrize("loss", LOSSES)
 def test_two_steps_with_each_loss_write_metrics_and_checkpoints(tmp_path, server, tiny_model, loss):
     result = run(*small(server, tiny_model, tmp_path / "run", "--loss", loss, "--max-steps", "2"))
@@ -63,7 +65,7 @@ def test_two_steps_with_each_loss_write_metrics_and_checkpoints(tmp_path, server
         assert "NovaSky-AI/SkyRL#2043" in result.stderr and "skyrl 0.4.0" in result.stderr
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
+@needs_gsm8k
 def test_a_finished_run_resumes_and_continues(tmp_path, server, tiny_model):
     log = tmp_path / "run"
     first = run(*small(server, tiny_model, log, "--max-steps", "2", "--save-every", "1"))
@@ -75,6 +77,7 @@ def test_a_finished_run_resumes_and_continues(tmp_path, server, tiny_model):
     assert steps == [0, 1, 2]  # step 2 only: the first two were not redone
 
 
+@needs_gsm8k
 def test_guard_refuses_gspo_on_jax_before_anything_runs(tmp_path, tiny_model):
     # No server at all: the backend hint alone decides, and --dry-run needs none either.
     for extra in ((), ("--dry-run",)):
@@ -90,6 +93,7 @@ def test_guard_refuses_gspo_on_jax_before_anything_runs(tmp_path, tiny_model):
         assert not (tmp_path / "run").exists()
 
 
+@needs_gsm8k
 def test_guard_refuses_a_loss_the_live_server_lacks(tmp_path, server, tiny_model):
     result = run(*small(server, tiny_model, tmp_path / "run", "--loss", "dppo"))
     assert result.returncode == 1
@@ -98,6 +102,7 @@ def test_guard_refuses_a_loss_the_live_server_lacks(tmp_path, server, tiny_model
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no rollout happened
 
 
+@needs_gsm8k
 def test_dry_run_needs_no_server_and_bad_flags_are_clear(tmp_path, tiny_model):
     base = ("train", "rl", "--model", str(tiny_model), "--base-url", DEAD_URL, "--dry-run")
     result = run(*base, "--gsm8k-dir", str(GSM8K), "--batch-size", "32", "--json")
