@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # tests talk to our server only
+# SDK clients made by tests keep heartbeating from a background thread after their server
+# has been stopped; at interpreter exit their warnings hit closed streams and print
+# "--- Logging error ---" after pytest's summary. Those warnings are expected here.
+logging.getLogger("tinker.lib.internal_client_holder").setLevel(logging.ERROR)
 
 
 @pytest.fixture(scope="session")
