@@ -306,16 +306,15 @@ class Engine:
         state = get_peft_model_state_dict(self.peft, adapter_name=name, save_embedding_layers=False)
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
-    def save_state(self, model_id: str, directory: str, kind: str, meta: dict) -> dict:
-        """Write the adapter (PEFT format) and, for ``weights``, the optimizer state."""
+    def save_state(self, model_id: str, directory: str, meta: dict) -> dict:
+        """Write the adapter (PEFT format) and its optimizer state, for exact resumes."""
         adapter = self._require(model_id)
-        optimizer = adapter.optimizer.state_dict() if kind == "weights" else None
         checkpoints.write_adapter(
             directory,
             self._adapter_state(model_id),
             self.peft.peft_config[model_id],
             self.base_model,
-            optimizer=optimizer,
+            optimizer=adapter.optimizer.state_dict(),
             meta={**meta, "steps": adapter.steps},
         )
         return {"path": meta["tinker_path"]}

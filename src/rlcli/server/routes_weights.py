@@ -159,13 +159,13 @@ def _save(state: ServerState, body: dict, kind: str) -> dict:
         "base_model": record.base_model,
         "expires_at": time.time() + ttl if ttl else None,
     }
-    op = "snapshot_sampler" if kind == "sampler_weights" else "save_state"
-    kwargs: dict[str, Any] = {"model_id": model_id, "directory": str(folder), "meta": meta}
-    if op == "snapshot_sampler":
-        kwargs["key"] = str(folder)
-    else:
-        kwargs["kind"] = kind
-    request_id = state.engine.submit("save_" + kind, op, **kwargs)
+    where = {"model_id": model_id, "directory": str(folder), "meta": meta}
+    if kind == "weights":
+        request_id = state.engine.submit("save_weights", "save_state", **where)
+    else:  # also kept as a sampler snapshot, so sampling from it needs no reload
+        request_id = state.engine.submit(
+            "save_sampler_weights", "snapshot_sampler", key=str(folder), **where
+        )
     return {"request_id": request_id, "model_id": model_id}
 
 
