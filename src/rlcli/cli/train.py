@@ -31,7 +31,7 @@ def _run(recipe, opts, plan, what: str, show: dict[str, str], as_json: bool, tok
         run_dir,
         total_steps=plan.steps,
         show=show,
-        resume_hint=recipe.resume_command(opts, plan),
+        resume_hint=recipe.resume_hint(opts, plan),
         report=info,
         tokens_key=tokens_key,
     )

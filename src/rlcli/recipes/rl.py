@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlcli.errors import RlcliError
-from rlcli.recipes.sl import default_run_dir, first_metric, last_metric
+from rlcli.recipes.runner import check_minimums, default_run_dir, metric_values, resume_command
 
 GSM8K_TRAIN_ROWS = 7473
 # What the guard and `--loss gspo` users should know about SkyRL's multi-GPU backends.
@@ -86,16 +86,16 @@ def prepare(opts: RLOptions) -> RLPlan:
         raise RlcliError(f"--loss {opts.loss}: choose from {', '.join(loss_guard.CHOICES)}")
     if opts.dataset != "gsm8k":
         raise RlcliError(f"--dataset {opts.dataset}: only gsm8k is available")
-    for name, value, low in (
-        ("--batch-size", opts.batch_size, 1),
-        ("--group-size", opts.group_size, 2),  # advantages are relative to the group
-        ("--max-tokens", opts.max_tokens, 1),
-        ("--lora-rank", opts.lora_rank, 1),
-        ("--save-every", opts.save_every, 0),
-        ("--eval-every", opts.eval_every, 0),
-    ):
-        if value < low:
-            raise RlcliError(f"{name} {value}: must be at least {low}")
+    check_minimums(
+        (
+            ("--batch-size", opts.batch_size, 1),
+            ("--group-size", opts.group_size, 2),  # advantages are relative to the group
+            ("--max-tokens", opts.max_tokens, 1),
+            ("--lora-rank", opts.lora_rank, 1),
+            ("--save-every", opts.save_every, 0),
+            ("--eval-every", opts.eval_every, 0),
+        )
+    )
     config = parse_loss_config(opts.loss_config)
     loss_guard.check_backend_hint(opts.backend, opts.loss)
     folder = gsm8k.resolve_dir(opts.gsm8k_dir)
@@ -169,21 +169,19 @@ def run_in_child(spec: dict) -> dict:
     asyncio.run(train.main(config))
     run_dir = Path(config.log_path)
     last = checkpoint_utils.get_last_checkpoint(config.log_path)
+    test_accuracy = "test/env/all/correct"
+    series = metric_values(run_dir, REWARD, ACCURACY, test_accuracy)
     return {
         "run_dir": config.log_path,
         "loss": config.loss_fn,
         "state_path": last.state_path if last else None,
         "sampler_path": last.get("sampler_path") if last else None,
-        "first_reward": first_metric(run_dir, REWARD),
-        "final_reward": last_metric(run_dir, REWARD),
-        "final_accuracy": last_metric(run_dir, ACCURACY),
-        "test_accuracy": last_metric(run_dir, "test/env/all/correct"),
+        "first_reward": (series[REWARD] or [None])[0],
+        "final_reward": (series[REWARD] or [None])[-1],
+        "final_accuracy": (series[ACCURACY] or [None])[-1],
+        "test_accuracy": (series[test_accuracy] or [None])[-1],
     }
 
 
-def resume_command(opts: RLOptions, plan: RLPlan) -> str:
-    from dataclasses import replace
-
-    from rlcli.recipes.runner import command_line
-
-    return command_line("rlcli train rl", replace(opts, log_path=plan.run_dir))
+def resume_hint(opts: RLOptions, plan: RLPlan) -> str:
+    return resume_command("rlcli train rl", opts, plan.run_dir)

@@ -62,6 +62,37 @@ def check_server(base_url: str, model: str) -> None:
     )
 
 
+def default_run_dir(kind: str) -> Path:
+    from rlcli.home import rlcli_home
+
+    return rlcli_home() / "runs" / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_minimums(checks) -> None:
+    """``checks``: (flag, value, lowest allowed) triples; the first one below its bound fails."""
+    for flag, value, low in checks:
+        if value < low:
+            raise RlcliError(f"{flag} {value}: must be at least {low}")
+
+
+def metric_values(run_dir: Path, *keys: str) -> dict[str, list[float]]:
+    """Each key's numeric values, step by step, from the run's ``metrics.jsonl`` (read once)."""
+    try:
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    except FileNotFoundError:
+        rows = []
+    return {
+        key: [float(r[key]) for r in rows if isinstance(r.get(key), int | float)] for key in keys
+    }
+
+
+def resume_command(command: str, options, run_dir: str) -> str:
+    """The command that continues the run in ``run_dir`` with the same settings."""
+    import dataclasses
+
+    return command_line(command, dataclasses.replace(options, log_path=run_dir))
+
+
 def command_line(command: str, options) -> str:
     """The ``rlcli`` command that reproduces ``options`` (a dataclass): every flag whose value
     differs from its default, so a resume runs with the same settings."""

@@ -12,12 +12,12 @@ import json
 import math
 import os
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlcli.data.chat import read_conversations
 from rlcli.errors import RlcliError
+from rlcli.recipes.runner import check_minimums, default_run_dir, metric_values, resume_command
 
 DATASET_FILE = "dataset.jsonl"
 
@@ -54,22 +54,16 @@ class SLPlan:
     resuming: bool
 
 
-def default_run_dir(kind: str) -> Path:
-    from rlcli.home import rlcli_home
-
-    return rlcli_home() / "runs" / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
 def check_options(opts: SLOptions) -> None:
-    for name, value, low in (
-        ("--batch-size", opts.batch_size, 1),
-        ("--epochs", opts.epochs, 1),
-        ("--lora-rank", opts.lora_rank, 1),
-        ("--max-length", opts.max_length, 8),
-        ("--save-every", opts.save_every, 0),
-    ):
-        if value < low:
-            raise RlcliError(f"{name} {value}: must be at least {low}")
+    check_minimums(
+        (
+            ("--batch-size", opts.batch_size, 1),
+            ("--epochs", opts.epochs, 1),
+            ("--lora-rank", opts.lora_rank, 1),
+            ("--max-length", opts.max_length, 8),
+            ("--save-every", opts.save_every, 0),
+        )
+    )
     if not 0 <= opts.test_size < 1:
         raise RlcliError(f"--test-size {opts.test_size}: a fraction in [0, 1)")
     if not opts.lr > 0:
@@ -206,12 +200,13 @@ def run_in_child(spec: dict) -> dict:
     config = cookbook_config(spec)
     asyncio.run(train.main(config))
     last = checkpoint_utils.get_last_checkpoint(config.log_path)
+    losses = metric_values(Path(config.log_path), "train_mean_nll")["train_mean_nll"]
     summary = {
         "run_dir": config.log_path,
         "state_path": last.state_path if last else None,
         "sampler_path": last.get("sampler_path") if last else None,
-        "final_loss": last_metric(Path(config.log_path), "train_mean_nll"),
-        "first_loss": first_metric(Path(config.log_path), "train_mean_nll"),
+        "final_loss": (losses or [None])[-1],
+        "first_loss": (losses or [None])[0],
     }
     if spec["plan"]["held_out"] and last is not None:
         _, test_ds = config.dataset_builder()
@@ -222,28 +217,6 @@ def run_in_child(spec: dict) -> dict:
     return summary
 
 
-def metric_rows(run_dir: Path, key: str) -> list[float]:
-    try:
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-    except FileNotFoundError:
-        return []
-    return [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
-
-
-def last_metric(run_dir: Path, key: str) -> float | None:
-    values = metric_rows(run_dir, key)
-    return values[-1] if values else None
-
-
-def first_metric(run_dir: Path, key: str) -> float | None:
-    values = metric_rows(run_dir, key)
-    return values[0] if values else None
-
-
-def resume_command(opts: SLOptions, plan: SLPlan) -> str:
-    from dataclasses import replace
-
-    from rlcli.recipes.runner import command_line
-
-    line = command_line("rlcli train sl", replace(opts, log_path=plan.run_dir))
+def resume_hint(opts: SLOptions, plan: SLPlan) -> str:
+    line = resume_command("rlcli train sl", opts, plan.run_dir)
     return line + (f"  # stdin data is kept in {plan.run_dir}" if opts.dataset == "-" else "")
