@@ -15,7 +15,7 @@ import os
 import queue
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,16 +44,13 @@ class UserError(ValueError):
 
 @dataclass
 class Adapter:
+    """A training client's LoRA: its parameters and optimizer (its config is peft's)."""
+
     name: str
     rank: int
-    train_mlp: bool
-    train_attn: bool
-    train_unembed: bool
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
     steps: int = 0
-    pending_grads: bool = False
-    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def pick_device(device: str) -> torch.device:
@@ -176,9 +173,7 @@ class Engine:
         for p in params:
             p.requires_grad_(True)
         optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
-        self.adapters[name] = Adapter(
-            name, rank, train_mlp, train_attn, train_unembed, params, optimizer
-        )
+        self.adapters[name] = Adapter(name, rank, params, optimizer)
         return {"model_id": name, "trainable_params": sum(p.numel() for p in params)}
 
     def remove_adapter(self, name: str) -> dict[str, Any]:
@@ -247,8 +242,6 @@ class Engine:
                     "logprobs": logp_np[row, :n],
                     "elementwise_loss": elementwise[row, :n],
                 }
-        if not forward_only:
-            self.adapters[model_id].pending_grads = True
         metrics = {"loss:sum": total_loss}
         metrics.update({f"{k}:sum": v for k, v in metric_sums.items()})
         return outputs, metrics
@@ -299,7 +292,6 @@ class Engine:
         adapter.optimizer.step()
         adapter.optimizer.zero_grad(set_to_none=True)
         adapter.steps += 1
-        adapter.pending_grads = False
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": learning_rate}
 
     # ---- checkpoints -----------------------------------------------------------------------
