@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,21 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")  # tests talk to our server only
 # has been stopped; at interpreter exit their warnings hit closed streams and print
 # "--- Logging error ---" after pytest's summary. Those warnings are expected here.
 logging.getLogger("tinker.lib.internal_client_holder").setLevel(logging.ERROR)
+
+
+RLCLI = [sys.executable, "-m", "rlcli.cli.main"]  # the CLI as a user runs it
+
+
+def run_rlcli(*args, stdin=None, env=None, timeout=600) -> subprocess.CompletedProcess:
+    """Run ``rlcli ARGS`` in a subprocess; ``env`` adds to (not replaces) this environment."""
+    return subprocess.run(
+        [*RLCLI, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="session")

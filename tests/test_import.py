@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from conftest import run_rlcli
 from rlcli.data.chat import DataError, read_conversations
 from rlcli.data.importers import ImportReport, import_lines
 
@@ -171,16 +169,7 @@ def test_bad_lines_are_reported_by_number():
     assert "unknown role 'alien'" in report.errors[0].message
 
 
-def rlcli(*args, stdin=None, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "rlcli.cli.main", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env={**os.environ},
-        timeout=120,
-    )
+rlcli = run_rlcli
 
 
 def test_cli_reports_counts_on_stderr_and_jsonl_on_stdout(tmp_path):

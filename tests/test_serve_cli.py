@@ -12,19 +12,13 @@ import time
 
 import pytest
 
+from conftest import run_rlcli
 from rlcli.backends.process import pid_alive
 from rlcli.demo import free_port
 
 
 def rlcli(home, *args, timeout=180) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RLCLI_HOME": str(home)}
-    return subprocess.run(
-        [sys.executable, "-m", "rlcli.cli.main", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
+    return run_rlcli(*args, env={"RLCLI_HOME": str(home)}, timeout=timeout)
 
 
 @pytest.fixture

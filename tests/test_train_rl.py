@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +23,8 @@ from tinker_cookbook.rl.types import (
     StepResult,
 )
 
+from conftest import run_rlcli
+
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 DEAD_URL = "http://127.0.0.1:9"
 LOSSES = ["importance_sampling", "ppo", "cispo", "dro", "gspo"]
@@ -32,14 +32,7 @@ LOSSES = ["importance_sampling", "ppo", "cispo", "dro", "gspo"]
 needs_gsm8k = pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
 
 
-def run(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlcli.cli.main", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=timeout,
-    )
+run = run_rlcli
 
 
 def small(server, tiny_model, log_path, *extra) -> tuple[str, ...]:

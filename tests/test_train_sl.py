@@ -8,25 +8,22 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from conftest import RLCLI, run_rlcli
 
 EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
 DEAD_URL = "http://127.0.0.1:9"
 
 
 def rlcli_argv(*args) -> list[str]:
-    return [sys.executable, "-m", "rlcli.cli.main", *args]
+    return [*RLCLI, *args]
 
 
-def run(*args, stdin=None, home=None, timeout=600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RLCLI_HOME": str(home)} if home else None
-    return subprocess.run(
-        rlcli_argv(*args), input=stdin, capture_output=True, text=True, env=env, timeout=timeout
-    )
+run = run_rlcli
 
 
 @pytest.fixture(scope="module")
