@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -23,6 +24,24 @@ def machine() -> dict:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "python": platform.python_version(),
     }
+
+
+@contextlib.contextmanager
+def local_server(model: str | Path, tmp: str | Path, wait: float = 300):
+    """Our torch server for ``model`` on a free loopback port (CPU), stopped on exit."""
+    from rlcli.backends import process
+    from rlcli.backends import torch as torch_backend
+    from rlcli.demo import free_port
+
+    home = Path(tmp) / "home"
+    opts = torch_backend.TorchServerOptions(base_model=str(model), port=free_port(), device="cpu")
+    record, healthy = torch_backend.start(home, opts, wait=wait)
+    try:
+        if not healthy:
+            raise RuntimeError(f"the server did not become healthy; see {record.log_path}")
+        yield record
+    finally:
+        process.stop(home)
 
 
 def timed(step, n: int) -> list[float]:

@@ -134,24 +134,14 @@ def main() -> None:
     parser.add_argument("--name", default="fused_gspo")
     args = parser.parse_args()
 
-    from rlcli.backends import process
-    from rlcli.backends import torch as torch_backend
-    from rlcli.demo import free_port
     from rlcli.models import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(
             build_tiny_model(Path(tmp) / "m", hidden_size=args.hidden, num_layers=args.layers)
         )
-        port = free_port()
-        home = Path(tmp) / "home"
-        opts = torch_backend.TorchServerOptions(base_model=model, port=port, device="cpu")
-        record, healthy = torch_backend.start(home, opts, wait=300)
-        assert healthy, "server did not become healthy"
-        try:
+        with _receipt.local_server(model, tmp, wait=300) as record:
             result = run(record.base_url, model, args)
-        finally:
-            process.stop(home)
 
     path = _receipt.write(
         args.name,

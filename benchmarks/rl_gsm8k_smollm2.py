@@ -56,20 +56,13 @@ def main() -> None:
     parser.add_argument("--gsm8k-dir", default=str(GSM8K))
     args = parser.parse_args()
 
-    from rlcli.backends import process
-    from rlcli.backends import torch as torch_backend
-    from rlcli.demo import free_port
     from rlcli.home import rlcli_home
 
     model = smollm2_folder(rlcli_home() / "models" / "smollm2-135m-instruct")
     with tempfile.TemporaryDirectory() as tmp:
-        port, home = free_port(), Path(tmp) / "home"
-        opts = torch_backend.TorchServerOptions(base_model=str(model), port=port, device="cpu")
-        record, healthy = torch_backend.start(home, opts, wait=600)
-        assert healthy
         run_dir = Path(tmp) / "run"
-        started = time.perf_counter()
-        try:
+        with _receipt.local_server(model, tmp, wait=600) as record:
+            started = time.perf_counter()
             # max_steps = steps + 1 so that the evaluation at step `steps` runs.
             command = [
                 sys.executable, "-m", "rlcli.cli.main", "train", "rl",
@@ -85,8 +78,6 @@ def main() -> None:
             if result.returncode != 0:
                 sys.exit(result.stderr[-4000:])
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-        finally:
-            process.stop(home)
     wall = time.perf_counter() - started
     evals = [(r["step"], r["test/env/all/correct"]) for r in rows if "test/env/all/correct" in r]
     step_times = [r.get("time/total") for r in rows if r.get("time/total") is not None]

@@ -36,9 +36,6 @@ def main() -> None:
     from tinker import types
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlcli.backends import process
-    from rlcli.backends import torch as torch_backend
-    from rlcli.demo import free_port
     from rlcli.models import build_tiny_model
 
     results: dict[str, dict] = {}
@@ -48,11 +45,7 @@ def main() -> None:
         )
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompt_ids = tokenizer.encode("What is 12 + 30? Think step by step.")
-        port, home = free_port(), Path(tmp) / "home"
-        opts = torch_backend.TorchServerOptions(base_model=model_dir, port=port, device="cpu")
-        record, healthy = torch_backend.start(home, opts, wait=300)
-        assert healthy
-        try:
+        with _receipt.local_server(model_dir, tmp, wait=300) as record:
             service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
             sampler = service.create_sampling_client(base_model=model_dir)
             model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -91,8 +84,6 @@ def main() -> None:
                     "ratio": s["median"] / b["median"],
                     "raw_tokens_per_s": {"server": server_s, "inprocess": local_s},
                 }
-        finally:
-            process.stop(home)
 
     ratio8 = results["batch_8"]["ratio"]
     path = _receipt.write(

@@ -100,21 +100,13 @@ def main() -> None:
     parser.add_argument("--name", default="server_overhead", help="receipt name")
     args = parser.parse_args()
 
-    from rlcli.backends import process
-    from rlcli.backends import torch as torch_backend
-    from rlcli.demo import free_port
     from rlcli.models import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(
             build_tiny_model(Path(tmp) / "m", hidden_size=args.hidden, num_layers=args.layers)
         )
-        port = free_port()
-        opts = torch_backend.TorchServerOptions(base_model=model, port=port, device="cpu")
-        home = Path(tmp) / "home"
-        record, healthy = torch_backend.start(home, opts, wait=300)
-        assert healthy, "server did not become healthy"
-        try:
+        with _receipt.local_server(model, tmp, wait=300) as record:
             from transformers import AutoConfig
 
             vocab = AutoConfig.from_pretrained(model).vocab_size
@@ -127,8 +119,6 @@ def main() -> None:
             for _ in range(args.rounds):
                 server_s += timed(server_step, args.steps)
                 local_s += timed(local_step, args.steps)
-        finally:
-            process.stop(home)
 
     tokens = args.batch * args.seq_len
     s, b = _receipt.summary(server_s), _receipt.summary(local_s)
