@@ -70,7 +70,7 @@ def sl(
         lora_rank=lora_rank, save_every=save_every, test_size=test_size,
         log_path=log_path, max_steps=max_steps,
     )  # fmt: skip
-    plan = recipe.prepare(opts, stdin=sys.stdin if dataset == "-" else None, keep=not dry_run)
+    plan = recipe.prepare(opts, stdin=sys.stdin if dataset == "-" else None, dry_run=dry_run)
     if not renderer:
         info(f"renderer: {plan.renderer} ({plan.renderer_source})")
     if dry_run:

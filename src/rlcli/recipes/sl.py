@@ -50,7 +50,9 @@ class SLPlan:
     steps: int
     renderer: str
     renderer_source: str
-    tokens: int | None  # None when the tokenizer cannot be loaded here (offline hub id)
+    # Counted for dry runs only (the recipe renders everything again); None otherwise, or
+    # when the tokenizer cannot be loaded here (an offline hub id).
+    tokens: int | None
     resuming: bool
 
 
@@ -98,14 +100,14 @@ def load_dataset(opts: SLOptions, run_dir: Path, stdin, keep: bool) -> tuple[lis
         return read_conversations(f, str(path)), path.resolve()
 
 
-def prepare(opts: SLOptions, stdin=None, keep: bool = True) -> SLPlan:
+def prepare(opts: SLOptions, stdin=None, dry_run: bool = False) -> SLPlan:
     """Validate flags and data, resolve the renderer, count what will be trained."""
     from rlcli.compat import resolve_renderer
 
     check_options(opts)
     run_dir = Path(opts.log_path).expanduser() if opts.log_path else default_run_dir("sl")
     resuming = (run_dir / "checkpoints.jsonl").exists()
-    conversations, dataset_path = load_dataset(opts, run_dir, stdin, keep)
+    conversations, dataset_path = load_dataset(opts, run_dir, stdin, keep=not dry_run)
     renderer, source, tokenizer = resolve_renderer(opts.model, opts.renderer)
     held_out = math.ceil(opts.test_size * len(conversations)) if opts.test_size else 0
     if held_out >= len(conversations):
@@ -122,7 +124,9 @@ def prepare(opts: SLOptions, stdin=None, keep: bool = True) -> SLPlan:
     steps = batches * opts.epochs
     if opts.max_steps is not None:
         steps = min(steps, opts.max_steps)
-    tokens = _count_tokens(conversations, renderer, tokenizer, opts.max_length)
+    tokens = None
+    if dry_run:
+        tokens = _count_tokens(conversations, renderer, tokenizer, opts.max_length)
     return SLPlan(
         run_dir=str(run_dir),
         dataset_path=str(dataset_path),
