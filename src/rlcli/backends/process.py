@@ -1,17 +1,26 @@
-"""Starting, watching and stopping a detached server process, whatever its backend.
+"""Starting, watching and stopping a server process, whatever its backend.
 
-State lives in ``<home>/server.json`` (pid, port, model, backend, log path); the log in
-``<home>/logs/server.log``. One managed server per home: tests and the demo use their own.
+State lives in ``<home>/server.json`` (pid, the pid's start time, port, model, backend, log
+path); the log in ``<home>/logs/server.log``. One managed server per home: tests and the demo
+use their own. A detached server (``start_detached``) runs in its own session and outlives the
+CLI; a foreground one (``run_foreground``) is a child of the CLI that dies with it. Both are
+recorded the same way, so ``serve status | stop | logs`` see either.
+
+A recorded pid is only trusted while ``/proc/<pid>/stat`` still shows the start time recorded
+with it: after a crash and a reboot (or pid reuse) the same number can belong to an unrelated
+process, which ``stop`` must never signal.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +28,8 @@ from pathlib import Path
 import httpx
 
 from rlcli.errors import RlcliError
+
+LOADING = "loading the base model"  # what /api/v1/healthz says while the engine starts
 
 
 @dataclass
@@ -31,6 +42,9 @@ class ServerRecord:
     log_path: str
     started_at: float = field(default_factory=time.time)
     command: list[str] = field(default_factory=list)
+    # /proc/<pid>/stat field 22 (clock ticks after boot): pid + start time name one process.
+    start_ticks: int | None = None
+    foreground: bool = False  # the pid is an `rlcli serve start --foreground` process
 
     @property
     def base_url(self) -> str:
@@ -50,16 +64,36 @@ def log_path(home: Path) -> Path:
 
 def read_record(home: Path) -> ServerRecord | None:
     try:
-        return ServerRecord(**json.loads(state_path(home).read_text()))
-    except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        data = json.loads(state_path(home).read_text())
+        known = {f.name for f in dataclasses.fields(ServerRecord)}
+        return ServerRecord(**{k: v for k, v in data.items() if k in known})
+    except (FileNotFoundError, json.JSONDecodeError, TypeError, AttributeError):
         return None
 
 
 def _write_record(home: Path, record: ServerRecord) -> None:
     path = state_path(home)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(asdict(record), indent=2) + "\n")
     tmp.replace(path)  # atomic: a reader never sees half a file
+
+
+def _remove_record_of(home: Path, pid: int) -> None:
+    """Remove the record only if it is still the one for ``pid`` (another may have replaced it)."""
+    record = read_record(home)
+    if record is not None and record.pid == pid:
+        state_path(home).unlink(missing_ok=True)
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (``/proc/<pid>/stat`` field 22)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 2 (the command name) is in parentheses and may hold spaces: split after it.
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[19])  # fields[0] is field 3 (state), so field 22 is fields[19]
 
 
 def pid_alive(pid: int) -> bool:
@@ -77,20 +111,36 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def is_ours(record: ServerRecord) -> bool:
+    """The recorded pid is alive and is still the process that was recorded."""
+    if not pid_alive(record.pid):
+        return False
+    if record.start_ticks is None:  # a record from before start times were kept
+        return True
+    return start_ticks(record.pid) == record.start_ticks
+
+
 def live_record(home: Path) -> tuple[ServerRecord | None, ServerRecord | None]:
     """(running record, stale record that was just cleaned up)."""
     record = read_record(home)
     if record is None:
         return None, None
-    if pid_alive(record.pid):
+    if is_ours(record):
         return record, None
     state_path(home).unlink(missing_ok=True)
     return None, record
 
 
 def check_port_free(host: str, port: int) -> None:
+    """Fail if something listens on ``host:port``.
+
+    SO_REUSEADDR, as uvicorn sets it: without it a port in TIME_WAIT after a stop or a crash
+    looks taken for a minute although the server itself could bind it. On Linux a port with a
+    live listener still refuses the bind.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as e:
@@ -121,6 +171,60 @@ def tail(path: Path, lines: int) -> list[str]:
     return text.splitlines()[-lines:] if lines > 0 else []
 
 
+def last_error_line(path: Path, offset: int = 0) -> str:
+    """The last line of the log (from byte ``offset``) that names an error, else the last line."""
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
+    except FileNotFoundError:
+        return "(no log)"
+    lines = [ln for ln in lines if ln and not ln.startswith("====")]
+    for line in reversed(lines):
+        if "error" in line.lower() or "exception" in line.lower() or "failed" in line.lower():
+            return line[:400]
+    return lines[-1][:400] if lines else "(the log is empty)"
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies (PR_SET_PDEATHSIG).
+
+    Called in a child (a ``preexec_fn`` or the child's first lines); a parent that died before
+    the call is caught by the ``getppid`` check the callers make right after it.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+
+
+def _kill_group(pid: int, grace: float) -> None:
+    """SIGTERM the process group led by ``pid``, SIGKILL after ``grace`` s; reap if a child."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while pid_alive(pid) and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                break
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)  # the engine and anything else left in the group
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def engine_error(base_url: str) -> str | None:
+    """The error a server reports once its engine has failed (``None`` while fine or loading)."""
+    healthy, detail = health(base_url, timeout=1.0)
+    if healthy or detail.startswith("no answer") or detail == LOADING:
+        return None
+    return detail
+
+
 def start_detached(
     home: Path,
     command: list[str],
@@ -134,8 +238,10 @@ def start_detached(
 ) -> tuple[ServerRecord, bool]:
     """Spawn ``command`` in its own session, record it, wait up to ``wait`` s for health.
 
-    Returns (record, healthy). Raises ``RlcliError`` if a server already runs here, the port is
-    taken, or the process dies while starting (with the tail of its log).
+    Returns (record, True) once healthy. If the process dies, its engine reports a failure, or
+    ``wait`` runs out (or the caller is interrupted), the whole process group is killed, the
+    record removed, and ``RlcliError`` names the last error line of the log. Also raises if a
+    server already runs here or the port is taken.
     """
     running, _ = live_record(home)
     if running is not None:
@@ -150,6 +256,7 @@ def start_detached(
         out.write(f"\n==== rlcli serve start {time.strftime('%Y-%m-%d %H:%M:%S')}: ")
         out.write(" ".join(command) + "\n")
         out.flush()
+        offset = out.tell()
         process = subprocess.Popen(
             command,
             stdout=out,
@@ -166,47 +273,160 @@ def start_detached(
         backend=backend,
         log_path=str(log),
         command=command,
+        start_ticks=start_ticks(process.pid),
     )
     _write_record(home, record)
     deadline = time.monotonic() + wait
-    while True:
-        exit_code = process.poll()
-        if exit_code is not None:
-            state_path(home).unlink(missing_ok=True)
-            last = "\n  ".join(tail(log, 15))
-            raise RlcliError(
-                f"the server exited while starting (exit code {exit_code}); "
-                f"last lines of {log}:\n  {last}"
-            )
-        healthy, _ = health(record.base_url, timeout=1.0)
-        if healthy:
-            return record, True
-        if time.monotonic() >= deadline:
-            return record, False
-        time.sleep(0.3)
+    failure = None
+    try:
+        while failure is None:
+            exit_code = process.poll()
+            if exit_code is not None:
+                failure = f"the server exited while starting (exit code {exit_code})"
+                break
+            healthy, detail = health(record.base_url, timeout=1.0)
+            if healthy:
+                return record, True
+            if not detail.startswith("no answer") and detail != LOADING:
+                failure = f"the server failed while starting ({detail[:200]})"
+                break
+            if time.monotonic() >= deadline:
+                failure = f"the server did not become healthy within --wait {wait:g}s"
+                break
+            time.sleep(0.3)
+    except BaseException:  # Ctrl-C while waiting: leave nothing behind
+        _kill_group(process.pid, grace=2)
+        _remove_record_of(home, process.pid)
+        raise
+    _kill_group(process.pid, grace=3)
+    _remove_record_of(home, process.pid)
+    raise RlcliError(f"{failure}: {last_error_line(log, offset)} (log: {log})")
+
+
+def run_foreground(
+    home: Path,
+    command: list[str],
+    *,
+    host: str,
+    port: int,
+    base_model: str,
+    backend: str,
+    env: dict[str, str] | None = None,
+) -> int:
+    """Run the server as this process's child until it exits; returns its exit code.
+
+    Its output goes to this process's stdout (what a container runtime collects) and to the
+    server log (what ``serve logs`` reads); this pid is recorded so ``serve status | stop``
+    see the server. SIGTERM, SIGINT and SIGHUP are passed on to the server; if this process is
+    killed outright, the server gets SIGTERM from the kernel (``die_with_parent``).
+    """
+    running, _ = live_record(home)
+    if running is not None:
+        raise RlcliError(
+            f"a server is already running here (pid {running.pid}, {running.base_url}, "
+            f"model {running.base_model}); stop it with `rlcli serve stop`"
+        )
+    check_port_free(host, port)
+    log = log_path(home)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    me = os.getpid()
+
+    def lifeline() -> None:
+        die_with_parent(signal.SIGTERM)
+        if os.getppid() != me:  # the parent died before prctl took effect
+            os._exit(1)
+
+    with log.open("a") as out:
+        out.write(f"\n==== rlcli serve start --foreground {time.strftime('%Y-%m-%d %H:%M:%S')}: ")
+        out.write(" ".join(command) + "\n")
+        out.flush()
+        child = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            process_group=0,  # a terminal's Ctrl-C reaches this process only; it passes it on
+            preexec_fn=lifeline,
+        )
+
+        def forward(signum, _frame) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signum)
+
+        signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        previous = {s: signal.signal(s, forward) for s in signals}
+        record = ServerRecord(
+            pid=me,
+            host=host,
+            port=port,
+            base_model=base_model,
+            backend=backend,
+            log_path=str(log),
+            command=command,
+            start_ticks=start_ticks(me),
+            foreground=True,
+        )
+        _write_record(home, record)
+        try:
+            assert child.stdout is not None
+            for raw in iter(child.stdout.readline, b""):
+                with contextlib.suppress(OSError):
+                    sys.stdout.buffer.write(raw)
+                    sys.stdout.flush()
+                out.write(raw.decode(errors="replace"))
+                out.flush()
+            return child.wait()
+        finally:
+            if child.poll() is None:
+                _stop_child(child)
+            _remove_record_of(home, me)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def _stop_child(child: subprocess.Popen) -> None:
+    """SIGTERM the child's process group, SIGKILL after 10 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGTERM)
+    try:
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
 
 
 def stop(home: Path, grace: float = 15.0) -> tuple[ServerRecord | None, str]:
-    """Stop the recorded server: SIGTERM to its process group, SIGKILL after ``grace`` s.
+    """Stop the recorded server: SIGTERM, then SIGKILL after ``grace`` s.
 
+    A detached server is signalled as a process group (uvicorn and its engine); a foreground
+    one through its ``rlcli`` process, which passes the signal on. A pid that is no longer the
+    recorded process is never signalled: the record is stale.
     Returns (record or None, how it ended: "stopped" | "killed" | "not running" | "stale").
     """
     record, stale = live_record(home)
     if record is None:
         return stale, "stale" if stale else "not running"
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(record.pid, signal.SIGTERM)
+
+    def send(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if record.foreground:
+                os.kill(record.pid, sig)
+            else:
+                os.killpg(record.pid, sig)
+
+    send(signal.SIGTERM)
     how = "stopped"
     deadline = time.monotonic() + grace
     while pid_alive(record.pid):
         if time.monotonic() >= deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(record.pid, signal.SIGKILL)
+            send(signal.SIGKILL)
             how = "killed"
             time.sleep(0.2)
             break
         time.sleep(0.1)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(record.pid, os.WNOHANG)
-    state_path(home).unlink(missing_ok=True)
+    _remove_record_of(home, record.pid)
     return record, how

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -45,7 +46,9 @@ def start(
     session_timeout: float = typer.Option(
         300, help="Free a client's adapters after this many seconds without a heartbeat."
     ),
-    wait: float = typer.Option(300, help="Seconds to wait for the server to become healthy."),
+    wait: float = typer.Option(
+        300, help="Seconds to wait for the server to become healthy; then stop it and fail."
+    ),
     foreground: bool = typer.Option(
         False, "--foreground", help="Run in this process (for containers and process managers)."
     ),
@@ -77,28 +80,36 @@ def start(
         session_timeout=session_timeout,
         api_key=api_key,
     )
+    env = {torch_backend.API_KEY_ENV: api_key} if api_key else {}
+    command = torch_backend.server_command(options)
     if foreground:
-        process.check_port_free(host, port)
-        env = {torch_backend.API_KEY_ENV: api_key} if api_key else {}
-        os.execve(sys.executable, torch_backend.server_command(options), {**os.environ, **env})
+        info(f"serving {options.base_model} on {host}:{port} in the foreground (pid {os.getpid()})")
+        code = process.run_foreground(
+            home, command, host=host, port=port, base_model=options.base_model,
+            backend=backend, env=env,
+        )  # fmt: skip
+        if code < 0:  # the server died of a signal: end the same way, as a supervisor expects
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        raise typer.Exit(code)
     info(f"starting the {backend} server for {options.base_model} on {host}:{port} ...")
-    record, healthy = torch_backend.start(home, options, wait=wait)
-    result = {
-        "base_url": record.base_url,
-        "pid": record.pid,
-        "healthy": healthy,
-        "log": record.log_path,
-    }
+    # Raises, leaving nothing running, unless the server becomes healthy within --wait.
+    record, _ = process.start_detached(
+        home,
+        command,
+        host=host,
+        port=port,
+        base_model=options.base_model,
+        backend=backend,
+        wait=wait,
+        env=env,
+    )
+    result = {"base_url": record.base_url, "pid": record.pid, "healthy": True}
+    result["log"] = record.log_path
     if as_json:
         emit(result, as_json=True)
-    elif healthy:
-        info(f"ready (pid {record.pid}); logs: rlcli serve logs; stop: rlcli serve stop")
-        print(record.base_url)
     else:
-        info(
-            f"still starting after {wait:.0f}s (pid {record.pid}); "
-            "check `rlcli serve status` and `rlcli serve logs`"
-        )
+        info(f"ready (pid {record.pid}); logs: rlcli serve logs; stop: rlcli serve stop")
         print(record.base_url)
 
 
@@ -113,16 +124,22 @@ def stop(
     if how == "not running":
         info("no server is running; nothing to stop")
     elif how == "stale":
-        info(f"no server is running (cleaned up the record of exited pid {record.pid})")
+        info(
+            f"no server is running (cleaned up the stale record of pid {record.pid}, which "
+            "has exited or is now another process; nothing was signalled)"
+        )
     else:
         info(f"{how} the server (pid {record.pid}, {record.base_url})")
 
 
 @app.command("status")
 def status(as_json: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
-    """Is a server running here? Health, pid, port, model, backend, uptime."""
+    """Is a server running here? Health, pid, port, model, backend, uptime.
+
+    Exit code 0: running and healthy; 1: running but not healthy; 3: not running."""
     import httpx
 
+    from rlcli import endpoint
     from rlcli.backends import process
 
     record, stale = process.live_record(_home())
@@ -146,7 +163,9 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print as JSON."))
         "log": record.log_path,
     }
     try:
-        server = httpx.get(f"{record.base_url}/rlcli/status", timeout=2).json()
+        server = httpx.get(
+            f"{record.base_url}/rlcli/status", headers=endpoint.headers(), timeout=2
+        ).json()
         engine = server.get("engine") or {}
         result.update(
             device=engine.get("device"),
@@ -154,9 +173,11 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print as JSON."))
             training_clients=server.get("models"),
             pending_requests=server.get("pending_requests"),
         )
-    except (httpx.HTTPError, ValueError):
+    except (httpx.HTTPError, ValueError, AttributeError):
         pass
     emit(result, as_json=as_json)
+    if not healthy:
+        raise typer.Exit(1)
 
 
 @app.command("logs")

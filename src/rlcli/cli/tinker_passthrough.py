@@ -1,8 +1,9 @@
 """``rlcli checkpoint | run | session ...``: the official ``tinker`` CLI, pointed at a server.
 
-The tinker CLI has no ``--base-url``; it reads ``TINKER_BASE_URL``. We set it from, in order:
-``--base-url``, ``TINKER_BASE_URL``, the server ``rlcli serve`` runs here, then
-http://127.0.0.1:8000. ``TINKER_API_KEY`` defaults to ``tml-dummy``.
+The tinker CLI has no ``--base-url``; it reads ``TINKER_BASE_URL``. We set it from
+``endpoint.resolve_base_url`` (``--base-url``, ``TINKER_BASE_URL``, the server ``rlcli serve``
+runs here, then http://localhost:8000) and check first that the server answers: the tinker CLI
+retries a dead server silently for minutes. ``TINKER_API_KEY`` defaults to ``tml-dummy``.
 """
 
 from __future__ import annotations
@@ -18,18 +19,6 @@ GROUPS = {
     "session": "Sessions on the server, via `tinker`.",
 }
 CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
-
-
-def resolve_base_url(flag: str | None) -> str:
-    if flag:
-        return flag
-    if os.environ.get("TINKER_BASE_URL"):
-        return os.environ["TINKER_BASE_URL"]
-    from rlcli.backends import process
-    from rlcli.home import rlcli_home
-
-    record, _ = process.live_record(rlcli_home())
-    return record.base_url if record else "http://127.0.0.1:8000"
 
 
 def tinker_command(group: str, args: list[str]) -> list[str]:
@@ -58,9 +47,14 @@ def make_command(group: str):
             None, "--base-url", help="Server to talk to (wins over TINKER_BASE_URL)."
         ),
     ) -> None:
-        env = {**os.environ, "TINKER_BASE_URL": resolve_base_url(base_url)}
-        env.setdefault("TINKER_API_KEY", "tml-dummy")
-        argv = tinker_command(group, list(ctx.args) or ["--help"])
+        from rlcli import endpoint
+
+        args = list(ctx.args) or ["--help"]
+        url, source = endpoint.resolve_base_url(base_url)
+        if not {"--help", "-h"} & set(args):
+            endpoint.check_server(url, source=source, timeout=3)
+        env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": endpoint.api_key()}
+        argv = tinker_command(group, args)
         os.execve(argv[0], argv, env)
 
     command.__doc__ = GROUPS[group] + " Everything after the group goes to `tinker`."

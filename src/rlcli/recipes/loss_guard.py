@@ -8,8 +8,7 @@ is known to serve.
 
 from __future__ import annotations
 
-import httpx
-
+from rlcli import endpoint
 from rlcli.errors import RlcliError
 
 CHOICES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo", "ppo_critic")
@@ -46,17 +45,28 @@ def check_backend_hint(backend: str | None, loss: str) -> None:
         raise refuse(backend, loss, BACKEND_LOSSES[backend])
 
 
-def check_server(base_url: str, loss: str, backend: str | None, model: str) -> str:
-    """Returns the backend name; raises ``RlcliError`` if the server cannot serve ``loss``."""
+def check_server(
+    base_url: str, loss: str, backend: str | None, model: str, loss_config: dict | None = None
+) -> str:
+    """Returns the backend name; raises ``RlcliError`` if the server cannot serve ``loss``, or
+    (where the server lists each loss's ``loss_fn_config`` keys) does not know a config key."""
     check_backend_hint(backend, loss)
-    caps = httpx.get(f"{base_url.rstrip('/')}/api/v1/get_server_capabilities", timeout=10)
-    caps.raise_for_status()
-    body = caps.json()
+    base_url = base_url.rstrip("/")
+    body = endpoint.get_json(base_url, "/api/v1/get_server_capabilities")  # one line on failure
     served = body.get("supported_loss_fns")
     if served is not None:  # an rlcli torch server says what it computes
         name = body.get("backend", backend or "torch")
         if loss not in served:
             raise refuse(name, loss, served)
+        known = (body.get("loss_fn_config") or {}).get(loss)
+        if loss_config and isinstance(known, dict):
+            for key in loss_config:
+                if key not in known:
+                    keys = ", ".join(known) or "none"
+                    raise RlcliError(
+                        f"--loss-config: loss {loss!r} has no setting {key!r} on the server "
+                        f"at {base_url}; it accepts: {keys}"
+                    )
         return name
     _probe(base_url, loss, backend or "unknown", model)
     return backend or "unknown"
@@ -64,16 +74,17 @@ def check_server(base_url: str, loss: str, backend: str | None, model: str) -> s
 
 def _probe(base_url: str, loss: str, backend: str, model: str) -> None:
     """A one-datum forward with ``loss``: cheap, and refused by servers that lack it."""
-    import os
-
     import tinker
     from tinker import types
 
-    from rlcli.compat import DEFAULT_API_KEY
-
-    api_key = os.environ.get("TINKER_API_KEY") or DEFAULT_API_KEY
-    service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
-    trainer = service.create_lora_training_client(base_model=model, rank=1)
+    try:
+        service = tinker.ServiceClient(base_url=base_url, api_key=endpoint.api_key())
+        trainer = service.create_lora_training_client(base_model=model, rank=1)
+    except tinker.APIError as e:
+        raise RlcliError(
+            f"the server at {base_url} refused a training client for {model} "
+            f"({type(e).__name__}: {_first_line(e)})"
+        ) from None
     datum = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2]),
         loss_fn_inputs={
@@ -91,3 +102,11 @@ def _probe(base_url: str, loss: str, backend: str, model: str) -> None:
             f"the server at {base_url} ({backend} backend) refused loss {loss!r} "
             f"({e.status_code}); losses it serves: {served}"
         ) from None
+    except tinker.APIError as e:
+        raise RlcliError(
+            f"the loss probe at {base_url} failed ({type(e).__name__}: {_first_line(e)})"
+        ) from None
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]

@@ -20,8 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from rlcli.errors import RlcliError
 
 SPEC = "rlcli_spec.json"
@@ -48,18 +46,10 @@ class StepLine:
 
 
 def check_server(base_url: str, model: str) -> None:
-    """One clear line if nothing answers at ``base_url`` (the SDK would retry for minutes)."""
-    try:
-        response = httpx.get(f"{base_url.rstrip('/')}/api/v1/healthz", timeout=5)
-        if response.status_code == 200:
-            return
-        detail = f"HTTP {response.status_code}"
-    except httpx.HTTPError as e:
-        detail = type(e).__name__
-    raise RlcliError(
-        f"no Tinker server answered at {base_url} ({detail}); start one with "
-        f"`rlcli serve start --base-model {model}` or pass --base-url"
-    )
+    """One clear line if nothing answers at ``base_url`` (see ``endpoint.check_server``)."""
+    from rlcli import endpoint
+
+    endpoint.check_server(base_url.rstrip("/"), model=model)
 
 
 def default_run_dir(kind: str) -> Path:
