@@ -91,3 +91,113 @@ def gsm8k_dataset(rows: list[dict], batch_size: int, group_size: int, renderer, 
             self.renderer, self.convo_prefix = renderer, convo_prefix
 
     return _Gsm8kFromRows()
+
+
+# ---- Run hooks: exact SL resume, and progress from inside the recipes ------------------------
+#
+# tinker-cookbook 0.5.7 ``supervised/train.py`` pipelines: with ``submit_ahead`` k (default 1)
+# it submits batch s+k's forward_backward + optim_step before it finishes batch s, and
+# ``finish_batch(s)`` queues the periodic ``save_state`` first thing, recording
+# ``{"epoch": e, "batch": s}`` as the batch to run next. The server runs requests in arrival
+# order, so checkpoint ``s`` holds s + 1 + k optimizer steps while a resume starts at batch s:
+# batches s .. s+k are applied twice (checkpoint 000004 held 6 steps). The fix, without forking
+# the recipe: run it with ``submit_ahead=0`` (only batch s is queued when its save is), and
+# record ``batch = s + 1``, the batch that really comes next. A resume from the last batch of
+# an epoch then starts at ``batch == n_batches``, which the recipe's loop treats as the start
+# of the next epoch. tests/test_resume.py checks the cookbook still behaves this way.
+SL_SAVE_RECORDS_BATCH_BEFORE_ITS_STEP = True
+
+
+def install_run_hooks(report) -> None:
+    """Patch the pinned cookbook, in the recipe's child process only, so that ``train sl``
+    resumes exactly and the recipes say what they are doing. ``report(phase, **fields)``
+    receives: ``saving checkpoint`` (step), ``saving final checkpoint``, ``sampling rollouts``
+    (step, done, total), ``recipe finished``."""
+    import chz
+    from tinker_cookbook import checkpoint_utils
+    from tinker_cookbook.rl import train as rl_train
+    from tinker_cookbook.supervised import train as sl_train
+
+    manager = checkpoint_utils.CheckpointManager
+    state = {"sl": False}
+
+    original_sl_main = sl_train.main
+
+    async def sl_main(config, *args, **kwargs):
+        state["sl"] = True
+        try:
+            return await original_sl_main(chz.replace(config, submit_ahead=0), *args, **kwargs)
+        finally:
+            state["sl"] = False
+            report("recipe finished")
+
+    sl_train.main = sl_main
+
+    original_maybe_save = manager.maybe_save_async
+
+    async def maybe_save_async(self, step, loop_state, *args, **kwargs):
+        if state["sl"] and "batch" in loop_state:
+            loop_state = {**loop_state, "batch": loop_state["batch"] + 1}
+        if self.should_save_periodic(step, elapsed_tokens=kwargs.get("elapsed_tokens", 0)):
+            report("saving checkpoint", step=step)
+        return await original_maybe_save(self, step, loop_state, *args, **kwargs)
+
+    manager.maybe_save_async = maybe_save_async
+
+    original_save_periodic = manager.save_periodic_async
+
+    async def save_periodic_async(self, step, loop_state):
+        if not state["sl"]:  # RL saves through this directly
+            report("saving checkpoint", step=step)
+        return await original_save_periodic(self, step, loop_state)
+
+    manager.save_periodic_async = save_periodic_async
+
+    original_save_final = manager.save_final_async
+
+    async def save_final_async(self, loop_state):
+        report("saving final checkpoint")
+        return await original_save_final(self, loop_state)
+
+    manager.save_final_async = save_final_async
+
+    original_rl_main = rl_train.main
+
+    async def rl_main(*args, **kwargs):
+        try:
+            return await original_rl_main(*args, **kwargs)
+        finally:
+            report("recipe finished")
+
+    rl_train.main = rl_main
+
+    # Rollouts: ``do_sync_training`` builds one coroutine per group through the module-level
+    # ``do_group_rollout_and_filter_constant_reward`` and awaits them in
+    # ``gather_with_progress(coroutines, desc="Sampling batch <i>")``.
+    original_group = rl_train.do_group_rollout_and_filter_constant_reward
+    rollouts = {"step": None, "done": 0, "total": 0}
+
+    def group_rollout(sampling_client, env_group_builder, *args, **kwargs):
+        size = int(getattr(env_group_builder, "num_envs", 1) or 1)
+        rollouts["total"] += size
+
+        async def run():
+            result = await original_group(sampling_client, env_group_builder, *args, **kwargs)
+            rollouts["done"] += size
+            report("sampling rollouts", **rollouts)
+            return result
+
+        return run()
+
+    rl_train.do_group_rollout_and_filter_constant_reward = group_rollout
+
+    original_gather = rl_train.gather_with_progress
+
+    async def gather_with_progress(coroutines, desc):
+        step = desc.rsplit(" ", 1)[-1]
+        rollouts.update(step=int(step) if step.isdigit() else None, done=0, total=0)
+        coroutine_list = list(coroutines)  # builds every group: the total is known now
+        report("sampling rollouts", **rollouts)
+        return await original_gather(coroutine_list, desc)
+
+    rl_train.gather_with_progress = gather_with_progress

@@ -2,4 +2,12 @@
 
 
 class RlcliError(Exception):
-    """A problem the user can fix; the message says what was wrong and where."""
+    """A problem the user can fix; the message says what was wrong and where.
+
+    ``exit_code`` is the process's exit status (1 unless the error stands for a signal:
+    130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP, as shells report them).
+    """
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

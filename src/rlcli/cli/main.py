@@ -1,11 +1,14 @@
 """The ``rlcli`` command. Thin: each group parses flags and calls the library.
 
 Heavy imports (torch, transformers, tinker) happen inside commands, so ``rlcli --help`` is fast.
-Known errors (``RlcliError``) become one line on stderr and exit code 1.
+Known errors (``RlcliError``) become one line on stderr and their exit code (1, or 128 + the
+signal that stopped a run); Ctrl-C anywhere else exits 130; a closed output pipe
+(``rlcli ... | head``) ends quietly with 141, as a shell reports SIGPIPE.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -27,17 +30,68 @@ app.command("import")(importer.import_)
 tinker_passthrough.register(app)
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("rlcli")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        print(f"rlcli {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_version_callback,
+        is_eager=True,
+        help="Print rlcli's version and exit.",
+    ),
+) -> None:
+    """Post-train open-weight LLMs on your own hardware through the Tinker API."""
+
+
+def _say(message: str) -> None:
+    try:
+        sys.stderr.write(message)
+        sys.stderr.flush()
+    except (BrokenPipeError, OSError):  # stderr is a closed pipe too: nothing to tell
+        pass
+
+
+def _quiet_exit(code: int) -> None:
+    """Exit without Python's "Exception ignored ... BrokenPipeError" on a closed stdout."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    sys.exit(code)
+
+
 def main() -> None:
     from rlcli.errors import RlcliError
 
     try:
         app()
     except RlcliError as e:
-        sys.stderr.write(f"error: {e}\n")
-        sys.exit(1)
+        _say(f"error: {e}\n")
+        if e.exit_code == 141:
+            _quiet_exit(141)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
+        _say("interrupted\n")
         sys.exit(130)
+    except BrokenPipeError:
+        _quiet_exit(141)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,53 @@
 """``python -m rlcli.recipes.child RUN_DIR``: run the recipe a spec describes (see runner.py).
 
-A failure ends with one ``rlcli-error:`` line (the exception, and where the full log is),
-which the parent shows as the error.
+First it ties its life to the ``rlcli`` process that started it: the kernel kills it when that
+process dies (``PR_SET_PDEATHSIG``, checked against ``getppid`` right after, in case the parent
+died before the call), so a killed ``rlcli`` never leaves a recipe writing to the run folder.
+Then it installs the compat hooks (exact SL resume, progress) and reports what it is doing in
+``rlcli_status.json`` from its first second. A failure ends with one ``rlcli-error:`` line
+(the exception, and where the full log is), which the parent shows as the error.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
-from rlcli.recipes.runner import SPEC, SUMMARY
+from rlcli.recipes.progress import STATUS
+from rlcli.recipes.runner import PARENT_PID_ENV, SPEC, SUMMARY
+
+
+def tie_to_parent() -> None:
+    """Die with the parent ``rlcli`` (SIGKILL from the kernel); exit now if it is gone."""
+    from rlcli.backends.process import die_with_parent
+
+    expected = os.environ.get(PARENT_PID_ENV)
+    die_with_parent(signal.SIGKILL)
+    if expected and os.getppid() != int(expected):
+        sys.exit(1)  # the parent died before prctl: nobody is watching this run
+
+
+class StatusFile:
+    """``rlcli_status.json``: the current phase, rewritten atomically (the parent polls it)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / STATUS
+        self.tmp = run_dir / f".{STATUS}.tmp"
+
+    def __call__(self, phase: str, **fields) -> None:
+        try:
+            self.tmp.write_text(json.dumps({"phase": phase, "time": time.time(), **fields}))
+            self.tmp.replace(self.path)
+        except OSError:  # progress is best effort; never fail a run over it
+            pass
 
 
 def main(run_dir: str) -> int:
+    tie_to_parent()
     try:
         return _run(Path(run_dir))
     except Exception as e:  # the full traceback stays in console.log; the user gets one line
@@ -30,19 +64,34 @@ def main(run_dir: str) -> int:
 
 
 def _run(folder: Path) -> int:
+    status = StatusFile(folder)
+    status("starting: loading the model's tokenizer and the data")
     spec = json.loads((folder / SPEC).read_text())
+    from rlcli import compat
+
+    after = "writing the summary"
+    if spec["recipe"] == "sl" and (spec.get("plan") or {}).get("held_out"):
+        after = "evaluating the held-out loss"
+
+    def report(phase: str, **fields) -> None:
+        status(after if phase == "recipe finished" else phase, **fields)
+
+    compat.install_run_hooks(report)
     if spec["recipe"] == "sl":
         from rlcli.recipes import sl
 
+        status("starting: connecting to the server")
         summary = sl.run_in_child(spec)
     elif spec["recipe"] == "rl":
         from rlcli.recipes import rl
 
+        status("starting: connecting to the server")
         summary = rl.run_in_child(spec)
     else:
         print(f"rlcli-error: unknown recipe {spec['recipe']!r}", flush=True)
         return 2
     (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    status("done")
     return 0
 
 

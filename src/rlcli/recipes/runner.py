@@ -1,48 +1,48 @@
-"""Running a cookbook recipe as a child process and showing its progress.
+"""Running a cookbook recipe as a child process: progress, stopping, and the run folder lock.
 
 The recipe (``python -m rlcli.recipes.child <run_dir>``) writes the cookbook's usual files into
-the run folder; its console output goes to ``console.log`` there. This side follows
-``metrics.jsonl`` for progress (a bar on a terminal, plain lines otherwise), turns Ctrl-C into a
-clean stop with the resume command, and turns a crash into one line (the child's
-``rlcli-error:`` line, else the log's last lines).
+the run folder; its console output goes to ``console.log`` there. This side:
+
+- follows ``metrics.jsonl`` and ``rlcli_status.json`` for progress (``progress.py``);
+- watches the server's health next to the recipe: the SDK retries a vanished server without
+  end, so after ``HEALTH_FAILURES`` failed checks in a row the recipe is stopped and the
+  error names the URL and the resume command;
+- stops the recipe on Ctrl-C, SIGTERM, SIGHUP and a closed output pipe (exit 130 / 143 / 129 /
+  141); the child runs in its own session and dies with this process even on SIGKILL
+  (``PR_SET_PDEATHSIG`` in ``child.py``), so no recipe ever runs on as an orphan;
+- holds an ``flock`` on ``<run_dir>/rlcli.lock`` (shared with the child), so a second command on
+  the same run folder fails at once, naming the pid; the kernel drops it when both are gone;
+- turns a crash into one line (the child's ``rlcli-error:`` line, else the log's last lines).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from rlcli.errors import RlcliError
+from rlcli.recipes.progress import STATUS, Progress, Rates, StepLine, read_status
+
+__all__ = ["StepLine", "run_recipe", "lock_run_dir", "write_spec", "check_server"]
 
 SPEC = "rlcli_spec.json"
 SUMMARY = "rlcli_summary.json"
 CONSOLE = "console.log"
-
-
-@dataclass
-class StepLine:
-    step: int
-    total: int
-    values: dict[str, float]
-    tokens_per_s: float | None
-    eta_s: float | None
-
-    def plain(self) -> str:
-        parts = [f"step {self.step}/{self.total}"]
-        parts += [f"{k} {v:.4g}" for k, v in self.values.items()]
-        if self.tokens_per_s:
-            parts.append(f"{self.tokens_per_s:.0f} tok/s")
-        if self.eta_s is not None:
-            parts.append(f"eta {self.eta_s:.0f}s")
-        return "  ".join(parts)
+LOCK = "rlcli.lock"
+HEALTH_EVERY_S = float(os.environ.get("RLCLI_HEALTH_EVERY_S") or 5.0)
+HEALTH_FAILURES = 3  # in a row: a dead server is noticed within about 3 x (5 s + timeout)
+PARENT_PID_ENV = "RLCLI_PARENT_PID"  # the child checks its parent is still this pid
 
 
 def check_server(base_url: str, model: str) -> None:
@@ -99,8 +99,98 @@ def command_line(command: str, options) -> str:
 
 
 def write_spec(run_dir: Path, spec: dict) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """Take the run folder's lock (see ``lock_run_dir``), then write the recipe's spec."""
+    lock_run_dir(run_dir)
     (run_dir / SPEC).write_text(json.dumps(spec, indent=2) + "\n")
+
+
+_LOCKS: dict[Path, int] = {}  # run folder -> the locked file descriptor, for this process
+
+
+def lock_run_dir(run_dir: Path) -> int:
+    """Lock ``run_dir`` for this process (and the recipe child it starts); returns the fd.
+
+    A second ``rlcli`` on the same folder gets one ``RlcliError`` naming the pid that holds it.
+    Call it before anything is written into the folder; calling it again is free.
+    """
+    run_dir = Path(run_dir).resolve()
+    if run_dir in _LOCKS:
+        return _LOCKS[run_dir]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RlcliError(
+            f"run folder {run_dir} is in use by another rlcli command (pid {holder}); "
+            f"wait for it to finish or stop it (kill {holder}) before resuming"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _LOCKS[run_dir] = fd
+    return fd
+
+
+def release_run_dir(run_dir: Path) -> None:
+    fd = _LOCKS.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)  # the lock goes with the last descriptor (the child's died with it)
+
+
+class _Stop(Exception):
+    """A signal asked this process to stop the run."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+class _HealthWatch(threading.Thread):
+    """Polls ``/api/v1/healthz``; ``failure`` says what happened after N failures in a row."""
+
+    def __init__(self, base_url: str) -> None:
+        super().__init__(name="rlcli-health-watch", daemon=True)
+        self.url = f"{base_url.rstrip('/')}/api/v1/healthz"
+        self.base_url = base_url
+        self.failure: str | None = None
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        failures, first = 0, None
+        while not self.stopped.wait(HEALTH_EVERY_S):
+            detail = self._check()
+            if detail is None:
+                failures, first = 0, None
+                continue
+            failures += 1
+            first = first or time.monotonic()
+            if failures >= HEALTH_FAILURES:
+                took = time.monotonic() - first + HEALTH_EVERY_S
+                self.failure = f"{detail}; {failures} health checks failed over {took:.0f}s"
+                return
+
+    def _check(self) -> str | None:
+        try:
+            response = httpx.get(self.url, timeout=min(5.0, HEALTH_EVERY_S * 2))
+        except httpx.HTTPError as e:
+            return f"stopped answering ({type(e).__name__})"
+        if response.status_code == 200:
+            return None
+        try:
+            detail = str(response.json().get("detail") or response.status_code)
+        except (ValueError, AttributeError):
+            detail = f"HTTP {response.status_code}"
+        return f"is unhealthy ({detail[:200]})"
+
+
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129, signal.SIGPIPE: 141}
+SIGNAL_WHAT = {
+    signal.SIGINT: "interrupted (Ctrl-C)",
+    signal.SIGTERM: "stopped by SIGTERM",
+    signal.SIGHUP: "stopped by SIGHUP (terminal closed)",
+    signal.SIGPIPE: "stopped: the output pipe was closed",
+}
 
 
 def run_recipe(
@@ -110,76 +200,123 @@ def run_recipe(
     resume_hint: str,
     report: Callable[[str], None],
     tokens_key: str = "num_tokens",
+    base_url: str | None = None,
 ) -> dict:
     """Run the recipe in ``run_dir``; returns its summary. ``show`` maps metric keys to the
     labels printed per step (e.g. ``{"train_mean_nll": "loss"}``); ``tokens_key`` is the
-    per-step token count behind tokens/s."""
+    per-step token count behind tokens/s; ``base_url`` (default: the spec's) is the server whose
+    health is watched. Every way out stops the child first."""
+    run_dir = Path(run_dir)
+    lock_fd = lock_run_dir(run_dir)
+    if base_url is None:
+        with contextlib.suppress(FileNotFoundError, KeyError, TypeError, json.JSONDecodeError):
+            base_url = json.loads((run_dir / SPEC).read_text())["options"]["base_url"]
     metrics = run_dir / "metrics.jsonl"
     seen = _count_lines(metrics)  # a resumed run already has rows
     (run_dir / SUMMARY).unlink(missing_ok=True)
-    env = {**os.environ}
+    (run_dir / STATUS).unlink(missing_ok=True)
+    env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
     env.setdefault("TINKER_API_KEY", "tml-dummy")
     env.setdefault("TINKER_TELEMETRY", "0")
-    with (run_dir / CONSOLE).open("a") as console:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "rlcli.recipes.child", str(run_dir)],
-            stdout=console,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-    first: tuple[int, float] | None = None  # (step, time) of the first row seen
-    tokens_since_first = 0
-    progress = _Progress(total_steps, report)
+    watch = _HealthWatch(base_url) if base_url else None
+    previous = {}
+
+    def on_signal(signum, _frame):
+        raise _Stop(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, on_signal)
+    progress = Progress(total_steps, report)
+    rates = Rates()
+    stop_reason: tuple[str, int] | None = None  # (what happened, exit code)
+    child = None
     try:
+        with (run_dir / CONSOLE).open("a") as console:
+            child = subprocess.Popen(
+                [sys.executable, "-m", "rlcli.recipes.child", str(run_dir)],
+                stdout=console,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # a terminal's Ctrl-C reaches us; we stop it
+                pass_fds=(lock_fd,),  # the child holds the run folder's lock too
+            )
+        if watch is not None:
+            watch.start()
         while True:
             rows, seen = _new_rows(metrics, seen)
+            now = time.monotonic()
             for row in rows:
                 step = int(row.get("step", 0)) + 1
-                now = time.monotonic()
-                if first is None:
-                    first = (step, now)
-                else:
-                    tokens_since_first += int(row.get(tokens_key) or 0)
-                steps_done, elapsed = step - first[0], now - first[1]
-                per_step = elapsed / steps_done if steps_done else None
-                progress.update(
-                    StepLine(
-                        step=step,
-                        total=total_steps,
-                        values={
-                            label: float(row[key])
-                            for key, label in show.items()
-                            if isinstance(row.get(key), int | float)
-                        },
-                        tokens_per_s=tokens_since_first / elapsed if elapsed else None,
-                        eta_s=per_step * (total_steps - step) if per_step else None,
-                    )
-                )
+                rates.add(step, int(row.get(tokens_key) or 0))
+            for i, row in enumerate(rows):
+                step = int(row.get("step", 0)) + 1
+                last = i == len(rows) - 1
+                tokens_per_s, eta = rates.current(now, total_steps) if last else (None, None)
+                values = {
+                    label: float(row[key])
+                    for key, label in show.items()
+                    if isinstance(row.get(key), int | float)
+                }
+                progress.update(StepLine(step, total_steps, values, tokens_per_s, eta))
+            if rows:
+                rates.end_poll(now)
+            progress.phase(read_status(run_dir))
             if child.poll() is not None:
                 rows, seen = _new_rows(metrics, seen)
                 if not rows:
                     break
                 continue
+            if watch is not None and watch.failure:
+                stop_reason = (f"the server at {base_url} {watch.failure}", 1)
+                break
             time.sleep(0.25)
     except KeyboardInterrupt:
-        progress.close()
-        with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signal.SIGINT)
-        try:
-            child.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            child.kill()
-        raise RlcliError(
-            f"stopped. Resume from the last checkpoint with:\n  {resume_hint}"
-        ) from None
-    progress.close()
+        stop_reason = (SIGNAL_WHAT[signal.SIGINT], SIGNAL_EXIT[signal.SIGINT])
+    except _Stop as e:
+        stop_reason = (SIGNAL_WHAT[e.signum], SIGNAL_EXIT[e.signum])
+    except BrokenPipeError:
+        stop_reason = (SIGNAL_WHAT[signal.SIGPIPE], SIGNAL_EXIT[signal.SIGPIPE])
+    finally:
+        _ignore_stop_signals()  # stopping is under way: a second Ctrl-C must not cut it short
+        if watch is not None:
+            watch.stopped.set()
+        if child is not None and child.poll() is None:
+            _stop_child(child)
+        with contextlib.suppress(BrokenPipeError, OSError):
+            progress.close()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        release_run_dir(run_dir)
+    if stop_reason is not None:
+        what, code = stop_reason
+        raise RlcliError(f"{what}; stopped the run. Resume with: {resume_hint}", exit_code=code)
     if child.returncode != 0:
         raise RlcliError(_failure(run_dir, child.returncode))
     try:
         return json.loads((run_dir / SUMMARY).read_text())
     except FileNotFoundError:
         raise RlcliError(_failure(run_dir, child.returncode)) from None
+
+
+def _stop_child(child: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the child's session (the recipe and anything it started), SIGKILL after
+    ``grace`` s."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(timeout=grace)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signal.SIGKILL)  # also whatever the recipe left in its session
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(timeout=5)
+
+
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(ValueError):  # not the main thread
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _failure(run_dir: Path, code: int) -> str:
@@ -211,45 +348,3 @@ def _new_rows(path: Path, seen: int) -> tuple[list[dict], int]:
         except json.JSONDecodeError:  # a row still being written: read it next time
             break
     return rows, seen + len(rows)
-
-
-class _Progress:
-    """A Rich bar on a terminal; one plain line per step otherwise (logs, CI, pipes)."""
-
-    def __init__(self, total: int, report: Callable[[str], None]) -> None:
-        self.report = report
-        self.bar = None
-        if sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
-            self.bar = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[line]}"),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-            )
-            self.task = self.bar.add_task("train", total=total, line="")
-            self.bar.start()
-
-    def update(self, line: StepLine) -> None:
-        if self.bar is None:
-            self.report(line.plain())
-            return
-        text = "  ".join(f"{k} {v:.4g}" for k, v in line.values.items())
-        if line.tokens_per_s:
-            text += f"  {line.tokens_per_s:.0f} tok/s"
-        self.bar.update(self.task, completed=line.step, line=text)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None

@@ -1,0 +1,154 @@
+"""What a running recipe shows: one line per step, and what it is doing between steps.
+
+Steps come from the cookbook's ``metrics.jsonl``; the phases in between (starting, sampling
+rollouts k/N, saving a checkpoint, the held-out loss) from ``rlcli_status.json``, which the
+child process rewrites as it goes (``child.py`` and the hooks in ``compat.py``). On a terminal
+this is a Rich bar; otherwise (logs, CI, pipes) plain lines.
+
+Rates are measured between polls, never between rows read in the same poll (they share one
+timestamp, which once gave ``1676397 tok/s eta 0s``), and only once a few seconds have passed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+STATUS = "rlcli_status.json"
+MIN_RATE_WINDOW_S = 2.0  # below this, a rate is noise
+
+
+@dataclass
+class StepLine:
+    step: int
+    total: int
+    values: dict[str, float]
+    tokens_per_s: float | None
+    eta_s: float | None
+
+    def plain(self) -> str:
+        parts = [f"step {self.step}/{self.total}"]
+        parts += [f"{k} {v:.4g}" for k, v in self.values.items()]
+        if self.tokens_per_s:
+            parts.append(f"{self.tokens_per_s:.0f} tok/s")
+        if self.eta_s is not None:
+            parts.append(f"eta {self.eta_s:.0f}s")
+        return "  ".join(parts)
+
+
+class Rates:
+    """Tokens/s and seconds per step over the polls since the first one that saw a step."""
+
+    def __init__(self) -> None:
+        self.base: tuple[float, int, int] | None = None  # (time, tokens, step) after first poll
+        self.tokens = 0
+        self.step = 0
+
+    def add(self, step: int, tokens: int) -> None:
+        self.step, self.tokens = step, self.tokens + tokens
+
+    def end_poll(self, now: float) -> None:
+        if self.base is None:
+            self.base = (now, self.tokens, self.step)
+
+    def current(self, now: float, total: int) -> tuple[float | None, float | None]:
+        """(tokens/s, eta s), or None for what cannot be measured yet."""
+        if self.base is None:
+            return None, None
+        t0, tokens0, step0 = self.base
+        elapsed, steps = now - t0, self.step - step0
+        if elapsed < MIN_RATE_WINDOW_S or steps < 1:
+            return None, None
+        tokens_per_s = (self.tokens - tokens0) / elapsed if self.tokens > tokens0 else None
+        return tokens_per_s, elapsed / steps * max(total - self.step, 0)
+
+
+def read_status(run_dir: Path) -> dict:
+    try:
+        value = json.loads((run_dir / STATUS).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def describe_status(status: dict) -> str | None:
+    """One short line for a phase: ``sampling rollouts 24/64 (step 3)``."""
+    phase = status.get("phase")
+    if not phase or phase == "done":
+        return None
+    if "done" in status and "total" in status:
+        text = f"{phase} {status['done']}/{status['total']}"
+    else:
+        text = str(phase)
+    if status.get("step") is not None:
+        text += f" (step {int(status['step']) + 1})"
+    return text
+
+
+class Progress:
+    """A Rich bar on a terminal (``tty``); one plain line per step and phase otherwise."""
+
+    PLAIN_PHASE_EVERY_S = 5.0  # plain mode: a changing count (rollouts) at most this often
+
+    def __init__(self, total: int, report: Callable[[str], None], tty: bool | None = None):
+        self.report = report
+        self.total = total
+        self.bar = None
+        self._last_phase: str | None = None
+        self._last_phase_name: str | None = None
+        self._last_phase_at = 0.0
+        if sys.stderr.isatty() if tty is None else tty:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+            from rich.progress import Progress as RichProgress
+
+            self.bar = RichProgress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[line]}"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
+            self.task = self.bar.add_task("train", total=total, line="starting")
+            self.bar.start()
+
+    def update(self, line: StepLine) -> None:
+        if self.bar is None:
+            self.report(line.plain())
+            return
+        text = "  ".join(f"{k} {v:.4g}" for k, v in line.values.items())
+        if line.tokens_per_s:
+            text += f"  {line.tokens_per_s:.0f} tok/s"
+        self.bar.update(self.task, completed=line.step, line=text)
+
+    def phase(self, status: dict) -> None:
+        """What the run is doing now (between steps), from ``rlcli_status.json``."""
+        text = describe_status(status)
+        if not text or text == self._last_phase:
+            return
+        if self.bar is not None:
+            self._last_phase = text
+            self.bar.update(self.task, line=text)
+            return
+        name = status.get("phase")
+        now = time.monotonic()
+        counting = name == self._last_phase_name and "done" in status
+        if counting and now - self._last_phase_at < self.PLAIN_PHASE_EVERY_S:
+            return  # plain mode: a changing count at most every few seconds
+        self._last_phase, self._last_phase_name, self._last_phase_at = text, name, now
+        self.report(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
