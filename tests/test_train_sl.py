@@ -118,7 +118,8 @@ def test_dry_run_plans_without_a_server(tmp_path, tiny_model, chat_file):
     plan = json.loads(result.stdout)
     assert plan["examples"] == 128 and plan["held_out"] == 32 and plan["train_examples"] == 96
     assert plan["batches_per_epoch"] == 12 and plan["steps"] == 12
-    assert plan["tokens"] > 1000 and plan["renderer"] == "qwen3_instruct"
+    assert plan["tokens_per_epoch"] > 1000 and plan["held_out_tokens"] > 100
+    assert plan["renderer"] == "qwen3_instruct"
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
@@ -155,7 +156,7 @@ def test_dead_server_is_one_clear_line(tmp_path, tiny_model, chat_file):
 def test_bad_flags_are_refused(tmp_path, tiny_model, chat_file):
     base = ("train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model), "--dry-run")
     result = run(*base, "--test-size", "1.5")
-    assert result.returncode == 1 and "--test-size 1.5: a fraction in [0, 1)" in result.stderr
+    assert result.returncode == 1 and "--test-size 1.5: must be in [0, 1)" in result.stderr
     result = run(*base, "--batch-size", "500")
     assert result.returncode == 1 and "--batch-size 500: larger than the 128" in result.stderr
     result = run("train", "sl", "--dataset", str(tmp_path / "nope"), "--model", "x/y")

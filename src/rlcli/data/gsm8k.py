@@ -30,6 +30,12 @@ def resolve_dir(flag: str | None) -> Path | None:
     return folder.resolve()
 
 
+def count_rows(folder: Path, split: str) -> int:
+    """Problems in a folder's ``split`` file, without parsing them (for plans)."""
+    with (folder / f"{split}.jsonl").open() as f:
+        return sum(1 for line in f if line.strip())
+
+
 def load_rows(folder: Path | None, split: str) -> list[dict]:
     """``[{"question", "answer"}, ...]`` for ``split`` ("train" or "test")."""
     if folder is not None:

@@ -8,45 +8,44 @@ before any rollout; ``cookbook_config`` builds the recipe config from the saved 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlcli.errors import RlcliError
-from rlcli.recipes.runner import check_minimums, default_run_dir, metric_values, resume_command
+from rlcli.recipes.options import (
+    PolicyOptions,
+    TrainOptions,
+    option,
+    resume_command,
+    retune,
+    saved,
+)
+from rlcli.recipes.runner import default_run_dir, metric_values
 
-GSM8K_TRAIN_ROWS = 7473
-# What the guard and `--loss gspo` users should know about SkyRL's multi-GPU backends.
+GSM8K_TRAIN_ROWS = 7473  # the hub's openai/gsm8k "main" train split
+GSM8K_TEST_ROWS = 1319
+# Said only where it can apply (gspo on a SkyRL fsdp/megatron backend, or a server that does not
+# say what it is). Checked against NovaSky-AI/SkyRL: #2043 (merged 2026-08-14, after the
+# skyrl 0.3.0 release) restored input order for megatron; the fsdp fix (#2209, issue #1865)
+# was still open when checked.
 GSPO_NOTE = (
-    "note: gspo runs fused here (one forward_backward per step, results in input order). On "
-    "SkyRL's Tinker server with token-based micro-batching (trainer.max_tokens_per_microbatch "
-    "> 0), per-example results came back in packed order, pairing one example's logprobs with "
-    "another's: fixed for the megatron worker by NovaSky-AI/SkyRL#2043, first released in "
-    "skyrl 0.4.0 (0.3.x is affected); the fsdp worker's fix is tracked in #1865 / #2209."
+    "note: SkyRL fsdp/megatron with max_tokens_per_microbatch > 0 returned per-example results "
+    "in packed order (megatron fixed by NovaSky-AI/SkyRL#2043; fsdp open: #1865)"
 )
 
 
-@dataclass
-class RLOptions:
-    model: str
-    base_url: str = "http://localhost:8000"
-    loss: str = "importance_sampling"
-    loss_config: str | None = None  # raw JSON
-    backend: str | None = None
-    dataset: str = "gsm8k"
-    gsm8k_dir: str | None = None
-    renderer: str | None = None
-    batch_size: int = 64
-    group_size: int = 8
-    lr: float = 4e-5
-    max_tokens: int = 256
-    lora_rank: int = 32
-    save_every: int = 20
-    eval_every: int = 0
-    eval_size: int = 200
-    max_steps: int | None = None
-    log_path: str | None = None
+@dataclass(kw_only=True)
+class RLOptions(PolicyOptions):
+    dataset: str = option("gsm8k", "Problems to train on.", choices=("gsm8k",))
+    gsm8k_dir: str | None = option(
+        None, "Folder with GSM8K train.jsonl/test.jsonl (env: RLCLI_GSM8K_DIR; else the hub)."
+    )
+    batch_size: int = option(64, "Problems per step.", min=1)
+    lr: float = retune(TrainOptions, "lr", 4e-5)
+    eval_size: int = option(200, "Test problems per evaluation.", min=1)
 
 
 @dataclass
@@ -55,6 +54,8 @@ class RLPlan:
     loss: str
     loss_config: dict | None
     data_source: str
+    train_problems: int
+    test_problems: int
     problems_per_step: int
     rollouts_per_step: int
     steps: int
@@ -73,53 +74,98 @@ def parse_loss_config(raw: str | None) -> dict | None:
     if not isinstance(value, dict) or not all(
         isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()
     ):
-        raise RlcliError('--loss-config: expected a JSON object of numbers, e.g. {"beta": 0.1}')
+        raise RlcliError(
+            '--loss-config: expected a JSON object of numbers, e.g. {"clip_low_threshold": 0.9}'
+        )
     return value
 
 
-def prepare(opts: RLOptions) -> RLPlan:
+def run_dir_of(opts: RLOptions) -> Path:
+    return Path(opts.log_path).expanduser() if opts.log_path else default_run_dir("rl")
+
+
+def prepare(opts: RLOptions, stdin=None, dry_run: bool = False) -> tuple[RLPlan, None]:
+    """Check flags, model, renderer and data, and count the steps; no server, no writes."""
     from rlcli.compat import resolve_renderer
     from rlcli.data import gsm8k
     from rlcli.recipes import loss_guard
+    from rlcli.recipes.preflight import check_model_arg, check_renderer
 
-    if opts.loss not in loss_guard.CHOICES:
-        raise RlcliError(f"--loss {opts.loss}: choose from {', '.join(loss_guard.CHOICES)}")
-    if opts.dataset != "gsm8k":
-        raise RlcliError(f"--dataset {opts.dataset}: only gsm8k is available")
-    check_minimums(
-        (
-            ("--batch-size", opts.batch_size, 1),
-            ("--group-size", opts.group_size, 2),  # advantages are relative to the group
-            ("--max-tokens", opts.max_tokens, 1),
-            ("--lora-rank", opts.lora_rank, 1),
-            ("--save-every", opts.save_every, 0),
-            ("--eval-every", opts.eval_every, 0),
-        )
-    )
     config = parse_loss_config(opts.loss_config)
     loss_guard.check_backend_hint(opts.backend, opts.loss)
+    if opts.init_checkpoint and not opts.init_checkpoint.startswith("tinker://"):
+        raise RlcliError(f"--init-checkpoint {opts.init_checkpoint}: expected a tinker:// path")
+    check_model_arg(opts.model)
+    check_renderer(opts.renderer)
     folder = gsm8k.resolve_dir(opts.gsm8k_dir)
+    if folder is not None:
+        train_rows, test_rows = gsm8k.count_rows(folder, "train"), gsm8k.count_rows(folder, "test")
+    else:
+        train_rows, test_rows = GSM8K_TRAIN_ROWS, GSM8K_TEST_ROWS
+    if train_rows == 0:
+        raise RlcliError(f"--gsm8k-dir {folder}: train.jsonl has no rows")
+    if opts.eval_every and test_rows == 0:
+        raise RlcliError(f"--eval-every {opts.eval_every}: {folder}/test.jsonl has no rows")
     renderer, source, _ = resolve_renderer(opts.model, opts.renderer)
-    run_dir = Path(opts.log_path).expanduser() if opts.log_path else default_run_dir("rl")
-    steps = math.ceil(GSM8K_TRAIN_ROWS / opts.batch_size)
+    run_dir = run_dir_of(opts)
+    steps = math.ceil(train_rows / opts.batch_size)  # the last batch may be partial
     if opts.max_steps is not None:
         steps = min(steps, opts.max_steps)
-    return RLPlan(
+    plan = RLPlan(
         run_dir=str(run_dir),
         loss=opts.loss,
         loss_config=config,
         data_source=str(folder) if folder else f"hub:{gsm8k.HUB_ID}",
-        problems_per_step=opts.batch_size,
-        rollouts_per_step=opts.batch_size * opts.group_size,
+        train_problems=train_rows,
+        test_problems=min(test_rows, opts.eval_size) if opts.eval_every else 0,
+        problems_per_step=min(opts.batch_size, train_rows),
+        rollouts_per_step=min(opts.batch_size, train_rows) * opts.group_size,
         steps=steps,
         renderer=renderer,
         renderer_source=source,
         resuming=(run_dir / "checkpoints.jsonl").exists(),
     )
+    return plan, None
+
+
+def check_server(server, opts: RLOptions, plan: RLPlan) -> str:
+    """Before any rollout: the loss guard, then the loss config's keys and values."""
+    from rlcli.recipes import loss_guard
+
+    if plan.data_source.startswith("hub:"):  # fail now, not inside the recipe, if offline
+        from rlcli.data import gsm8k
+
+        gsm8k.load_rows(None, "test")
+    served_by = loss_guard.check_server(
+        server.base_url, opts.loss, opts.backend, opts.model, plan.loss_config
+    )
+    server.check_loss_config_values(opts.model, opts.loss, plan.loss_config)
+    return served_by
+
+
+def gspo_note_applies(opts: RLOptions, backend: str | None) -> bool:
+    """The SkyRL result-order note matters for gspo on SkyRL, or a server that says nothing."""
+    if opts.loss != "gspo":
+        return False
+    named = backend or opts.backend
+    return named is None or named in ("fsdp", "megatron", "unknown")
+
+
+def resolved(opts: RLOptions, plan: RLPlan, base_url: str) -> RLOptions:
+    folder = None if plan.data_source.startswith("hub:") else plan.data_source
+    return dataclasses.replace(
+        opts, base_url=base_url, renderer=plan.renderer, gsm8k_dir=folder,
+        log_path=plan.run_dir,
+    )  # fmt: skip
+
+
+def commit(opts: RLOptions, plan: RLPlan, data) -> None:
+    """Nothing to write before the run (the rows stay where they are)."""
 
 
 def spec(opts: RLOptions, plan: RLPlan) -> dict:
-    return {"recipe": "rl", "options": asdict(opts), "plan": asdict(plan)}
+    """What the child process builds the recipe from (``opts``: resolved)."""
+    return {"recipe": "rl", "options": saved(opts), "plan": asdict(plan)}
 
 
 def cookbook_config(spec: dict):
@@ -135,28 +181,68 @@ def cookbook_config(spec: dict):
         renderer_name=plan["renderer"],
         data_dir=plan["data_source"] if not plan["data_source"].startswith("hub:") else None,
         eval_size=opts["eval_size"] if opts["eval_every"] else 0,
+        seed=opts["seed"],
     )
+    kl_reference = None
+    if opts["kl_penalty_coef"] > 0:  # the cookbook's reference: the base model's weights
+        kl_reference = train.KLReferenceConfig(base_model=opts["model"])
     return train.Config(
         learning_rate=opts["lr"],
         dataset_builder=builder,
         model_name=opts["model"],
         recipe_name="rlcli_rl",
         max_tokens=opts["max_tokens"],
+        temperature=opts["temperature"],
         log_path=plan["run_dir"],
         renderer_name=plan["renderer"],
         loss_fn=plan["loss"],
         loss_fn_config=plan["loss_config"],
         lora_rank=opts["lora_rank"],
+        load_checkpoint_path=opts["init_checkpoint"],
+        kl_penalty_coef=opts["kl_penalty_coef"],
+        kl_reference_config=kl_reference,
         save_every=opts["save_every"],
         eval_every=opts["eval_every"],
         base_url=opts["base_url"],
         max_steps=plan["steps"],
         num_groups_to_log=0,
+        wandb_project=opts["wandb_project"],
+        wandb_name=opts["wandb_name"],
     )
 
 
 REWARD, ACCURACY = "env/all/reward/total", "env/all/correct"
 SAMPLED_TOKENS = "env/all/total_ac_tokens"  # per step: behind the tokens/s shown
+
+
+def seed_sampling(seed: int) -> None:
+    """Give every rollout a seed derived from ``seed``, its prompt and how many times that
+    prompt was sampled before, so a run samples the same tokens run to run.
+
+    The cookbook's ``TinkerTokenCompleter`` sends no seed; this fills one into each
+    ``SamplingClient.sample_async`` call of this (child) process. Counting per prompt (not a
+    global counter) keeps the seeds independent of the order concurrent rollouts reach the
+    server, and of a resume (each prompt is seen once per pass). tests/test_options.py fails if
+    the cookbook stops sampling through ``sample_async``.
+    """
+    import hashlib
+    from collections import Counter
+
+    import tinker
+
+    original = tinker.SamplingClient.sample_async
+    seen: Counter = Counter()
+
+    async def sample_async(self, prompt, num_samples, sampling_params, *args, **kwargs):
+        if sampling_params.seed is None:
+            tokens = tuple(prompt.to_ints())
+            n, seen[tokens] = seen[tokens], seen[tokens] + 1
+            digest = hashlib.sha256(repr((seed, tokens, n)).encode()).digest()
+            derived = int.from_bytes(digest[:4], "big")
+            sampling_params = sampling_params.model_copy(update={"seed": derived})
+        return await original(self, prompt, num_samples, sampling_params, *args, **kwargs)
+
+    tinker.SamplingClient.sample_async = sample_async  # type: ignore[method-assign]
 
 
 def run_in_child(spec: dict) -> dict:
@@ -166,6 +252,7 @@ def run_in_child(spec: dict) -> dict:
     from tinker_cookbook.rl import train
 
     config = cookbook_config(spec)
+    seed_sampling(spec["options"]["seed"])
     asyncio.run(train.main(config))
     run_dir = Path(config.log_path)
     last = checkpoint_utils.get_last_checkpoint(config.log_path)
@@ -183,5 +270,15 @@ def run_in_child(spec: dict) -> dict:
     }
 
 
+COMMAND = "rlcli train rl"
+SHOW = {REWARD: "reward", ACCURACY: "acc"}
+TOKENS_KEY = SAMPLED_TOKENS
+
+
+def describe(plan: RLPlan, served_by: str = "") -> str:
+    backend = f" ({served_by} backend)" if served_by else ""
+    return f"loss {plan.loss}{backend}, {plan.steps} steps of {plan.rollouts_per_step} rollouts"
+
+
 def resume_hint(opts: RLOptions, plan: RLPlan) -> str:
-    return resume_command("rlcli train rl", opts, plan.run_dir)
+    return resume_command(COMMAND, plan.run_dir)

@@ -8,6 +8,7 @@ The pedagogical version of the loop itself is the cookbook's ``recipes/sl_loop.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,26 +18,20 @@ from pathlib import Path
 
 from rlcli.data.chat import read_conversations
 from rlcli.errors import RlcliError
-from rlcli.recipes.runner import check_minimums, default_run_dir, metric_values, resume_command
+from rlcli.recipes.options import TrainOptions, option, resume_command, retune, saved
+from rlcli.recipes.runner import default_run_dir, metric_values
 
 DATASET_FILE = "dataset.jsonl"
 
 
-@dataclass
-class SLOptions:
-    dataset: str
-    model: str
-    base_url: str = "http://localhost:8000"
-    renderer: str | None = None
-    batch_size: int = 8
-    lr: float = 1e-4
-    max_length: int = 2048
-    epochs: int = 1
-    lora_rank: int = 32
-    save_every: int = 20
-    test_size: float = 0.0
-    log_path: str | None = None
-    max_steps: int | None = None
+@dataclass(kw_only=True)
+class SLOptions(TrainOptions):
+    dataset: str = option(help="Chat JSONL ({'messages': [...]}) or - for stdin.")
+    batch_size: int = option(8, "Conversations per step.", min=1)
+    lr: float = retune(TrainOptions, "lr", 1e-4)
+    max_length: int = option(2048, "Truncate conversations to this many tokens.", min=8)
+    epochs: int = option(1, "Passes over the data.", min=1)
+    test_size: float = option(0.0, "Fraction of conversations held out (0-1).", min=0, lt=1)
 
 
 @dataclass
@@ -47,52 +42,35 @@ class SLPlan:
     held_out: int
     train_examples: int
     batches_per_epoch: int
+    dropped_per_epoch: int  # the cookbook trains full batches only
     steps: int
     renderer: str
     renderer_source: str
     # Counted for dry runs only (the recipe renders everything again); None otherwise, or
-    # when the tokenizer cannot be loaded here (an offline hub id).
-    tokens: int | None
+    # when the tokenizer cannot be loaded here (an offline hub id). Split as the recipe
+    # splits (its seeded shuffle, then the first held_out conversations).
+    tokens_per_epoch: int | None
+    held_out_tokens: int | None
     resuming: bool
 
 
-def check_options(opts: SLOptions) -> None:
-    check_minimums(
-        (
-            ("--batch-size", opts.batch_size, 1),
-            ("--epochs", opts.epochs, 1),
-            ("--lora-rank", opts.lora_rank, 1),
-            ("--max-length", opts.max_length, 8),
-            ("--save-every", opts.save_every, 0),
-        )
-    )
-    if not 0 <= opts.test_size < 1:
-        raise RlcliError(f"--test-size {opts.test_size}: a fraction in [0, 1)")
-    if not opts.lr > 0:
-        raise RlcliError(f"--lr {opts.lr}: must be positive")
+def run_dir_of(opts: SLOptions) -> Path:
+    return Path(opts.log_path).expanduser() if opts.log_path else default_run_dir("sl")
 
 
-def load_dataset(opts: SLOptions, run_dir: Path, stdin, keep: bool) -> tuple[list[dict], Path]:
+def load_dataset(opts: SLOptions, run_dir: Path, stdin) -> tuple[list[dict], Path]:
     """The validated conversations and the file the recipe will read.
 
-    Stdin is validated in memory and only then written into the run folder (atomically; not at
-    all when ``keep`` is false), so a bad stream leaves nothing behind; a resumed run with
-    nothing on stdin reuses that copy.
+    Stdin is validated in memory only; ``keep_stdin`` writes it into the run folder once every
+    check has passed, so a bad stream or a refused run leaves nothing behind. A resumed run
+    with nothing on stdin reuses that copy.
     """
     kept = run_dir / DATASET_FILE
     if opts.dataset == "-":
         text = "" if stdin is None or stdin.isatty() else stdin.read()
         if not text.strip() and kept.exists():
             return read_conversations(kept.open(), str(kept)), kept
-        conversations = read_conversations(text.splitlines(), "stdin")
-        if not keep:
-            return conversations, kept
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".dataset.")
-        with os.fdopen(fd, "w") as f:
-            f.writelines(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
-        os.replace(tmp, kept)
-        return conversations, kept
+        return read_conversations(text.splitlines(), "stdin"), kept
     path = Path(opts.dataset).expanduser()
     if not path.is_file():
         raise RlcliError(f"--dataset {opts.dataset}: no such file")
@@ -100,14 +78,33 @@ def load_dataset(opts: SLOptions, run_dir: Path, stdin, keep: bool) -> tuple[lis
         return read_conversations(f, str(path)), path.resolve()
 
 
-def prepare(opts: SLOptions, stdin=None, dry_run: bool = False) -> SLPlan:
-    """Validate flags and data, resolve the renderer, count what will be trained."""
-    from rlcli.compat import resolve_renderer
+def keep_stdin(opts: SLOptions, plan: SLPlan, conversations: list[dict]) -> None:
+    """Write stdin's conversations into the run folder (atomically) for the recipe and resume."""
+    kept = Path(plan.dataset_path)
+    if opts.dataset != "-" or kept.exists() and _same_rows(kept, conversations):
+        return
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=kept.parent, prefix=".dataset.")
+    with os.fdopen(fd, "w") as f:
+        f.writelines(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
+    os.replace(tmp, kept)
 
-    check_options(opts)
-    run_dir = Path(opts.log_path).expanduser() if opts.log_path else default_run_dir("sl")
+
+def _same_rows(path: Path, conversations: list[dict]) -> bool:
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()] == conversations
+
+
+def prepare(opts: SLOptions, stdin=None, dry_run: bool = False) -> tuple[SLPlan, list[dict]]:
+    """Validate the model, renderer and data, count what will be trained; writes nothing."""
+    from rlcli.compat import resolve_renderer
+    from rlcli.recipes.preflight import check_model_arg, check_renderer
+
+    check_model_arg(opts.model)
+    check_renderer(opts.renderer)
+    run_dir = run_dir_of(opts)
     resuming = (run_dir / "checkpoints.jsonl").exists()
-    conversations, dataset_path = load_dataset(opts, run_dir, stdin, keep=not dry_run)
+    conversations, dataset_path = load_dataset(opts, run_dir, stdin)
     renderer, source, tokenizer = resolve_renderer(opts.model, opts.renderer)
     held_out = math.ceil(opts.test_size * len(conversations)) if opts.test_size else 0
     if held_out >= len(conversations):
@@ -124,39 +121,57 @@ def prepare(opts: SLOptions, stdin=None, dry_run: bool = False) -> SLPlan:
     steps = batches * opts.epochs
     if opts.max_steps is not None:
         steps = min(steps, opts.max_steps)
-    tokens = None
+    tokens = (None, None)
     if dry_run:
-        tokens = _count_tokens(conversations, renderer, tokenizer, opts.max_length)
-    return SLPlan(
+        tokens = _count_tokens(conversations, held_out, renderer, tokenizer, opts.max_length)
+    plan = SLPlan(
         run_dir=str(run_dir),
         dataset_path=str(dataset_path),
         examples=len(conversations),
         held_out=held_out,
         train_examples=train_examples,
         batches_per_epoch=batches,
+        dropped_per_epoch=train_examples - batches * opts.batch_size,
         steps=steps,
         renderer=renderer,
         renderer_source=source,
-        tokens=tokens,
+        tokens_per_epoch=tokens[0],
+        held_out_tokens=tokens[1],
         resuming=resuming,
     )
+    return plan, conversations
 
 
-def _count_tokens(conversations, renderer_name, tokenizer, max_length) -> int | None:
+def _count_tokens(conversations, held_out, renderer_name, tokenizer, max_length):
+    """(training tokens per epoch, held-out tokens), after truncation to ``max_length``."""
     if tokenizer is None:
-        return None
+        return None, None
+    import datasets
     from tinker_cookbook import renderers
     from tinker_cookbook.supervised.data import conversation_to_datum
 
     renderer = renderers.get_renderer(renderer_name, tokenizer)
-    return sum(
+    lengths = [
         conversation_to_datum(c["messages"], renderer, max_length).model_input.length
         for c in conversations
-    )
+    ]
+    # The recipe's order: FromConversationFileBuilder shuffles with seed 0, then splits.
+    order = datasets.Dataset.from_dict({"i": range(len(lengths))}).shuffle(seed=0)["i"]
+    test = sum(lengths[i] for i in order[:held_out])
+    return sum(lengths) - test, test
+
+
+def resolved(opts: SLOptions, plan: SLPlan, base_url: str) -> SLOptions:
+    """The options as the run uses them: the server, the renderer and the data file named."""
+    return dataclasses.replace(
+        opts, base_url=base_url, renderer=plan.renderer, dataset=plan.dataset_path,
+        log_path=plan.run_dir,
+    )  # fmt: skip
 
 
 def spec(opts: SLOptions, plan: SLPlan) -> dict:
-    return {"recipe": "sl", "options": asdict(opts), "plan": asdict(plan)}
+    """What the child process builds the recipe from (``opts``: resolved)."""
+    return {"recipe": "sl", "options": saved(opts), "plan": asdict(plan)}
 
 
 def cookbook_config(spec: dict):
@@ -189,6 +204,8 @@ def cookbook_config(spec: dict):
         eval_every=0,  # the held-out loss is measured once, at the end (run_in_child)
         infrequent_eval_every=0,
         max_steps=opts["max_steps"],
+        wandb_project=opts["wandb_project"],
+        wandb_name=opts["wandb_name"],
     )
 
 
@@ -221,6 +238,24 @@ def run_in_child(spec: dict) -> dict:
     return summary
 
 
+COMMAND = "rlcli train sl"
+SHOW = {"train_mean_nll": "loss"}  # metrics.jsonl key -> label on the progress line
+TOKENS_KEY = "num_tokens"
+
+
+def describe(plan: SLPlan, served_by: str = "") -> str:
+    held_out = f", {plan.held_out} held out" if plan.held_out else ""
+    return f"{plan.train_examples} conversations, {plan.steps} steps{held_out}"
+
+
+def check_server(server, opts: SLOptions, plan: SLPlan) -> str:
+    """Nothing beyond the shared checks; returns the backend for the start line."""
+    return server.backend or "unknown"
+
+
+def commit(opts: SLOptions, plan: SLPlan, conversations: list[dict]) -> None:
+    keep_stdin(opts, plan, conversations)
+
+
 def resume_hint(opts: SLOptions, plan: SLPlan) -> str:
-    line = resume_command("rlcli train sl", opts, plan.run_dir)
-    return line + (f"  # stdin data is kept in {plan.run_dir}" if opts.dataset == "-" else "")
+    return resume_command(COMMAND, plan.run_dir)

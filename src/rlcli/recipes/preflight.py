@@ -1,0 +1,146 @@
+"""Checks a train command makes before it creates a run folder or samples a rollout.
+
+Without a server (also for ``--dry-run``): the model argument (a path that is not there), the
+renderer name. With one (``Server``): that it serves the model, the LoRA rank against its
+``max_lora_rank``, and ``--loss-config`` keys (from its ``loss_fn_config`` table) and values
+(a one-datum ``forward`` with the config, which the server validates). Servers that do not
+publish these (SkyRL) skip what they do not say; their refusals still come before any rollout.
+Every failure is one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import re
+from functools import cache
+from pathlib import Path
+
+from rlcli.errors import RlcliError
+
+# A --model that starts like a path is a path, not a hub id.
+_PATH_PREFIXES = ("/", "./", "../", "~")
+
+
+def check_model_arg(model: str) -> None:
+    """A local model folder must exist and hold a model; hub ids pass (the server decides)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise RlcliError(f"--model {model}: no config.json in that folder")
+        return
+    if path.exists():
+        raise RlcliError(f"--model {model}: not a folder (a hub id or a model folder)")
+    if model.startswith(_PATH_PREFIXES) or model.count("/") > 1:
+        raise RlcliError(f"--model {model}: no such folder")
+
+
+@cache
+def renderer_names() -> tuple[str, ...]:
+    """The renderer names the pinned cookbook's ``get_renderer`` knows: its ``name == "..."``
+    branches and whatever was registered (tests/test_options.py guards the parse)."""
+    from tinker_cookbook import renderers
+
+    source = inspect.getsource(renderers.get_renderer)
+    built_in = re.findall(r'\bname == "([\w.]+)"', source)
+    return tuple(dict.fromkeys([*built_in, *renderers.get_registered_renderer_names()]))
+
+
+def check_renderer(name: str | None) -> None:
+    if name is None:
+        return
+    names = renderer_names()
+    if name in names:
+        return
+    near = difflib.get_close_matches(name, names, n=3)
+    hint = f"did you mean {' or '.join(near)}?" if near else f"known: {', '.join(names)}"
+    raise RlcliError(f"--renderer {name}: not a renderer the cookbook knows; {hint}")
+
+
+class Server:
+    """What a server says about itself (``get_server_capabilities``), read once."""
+
+    def __init__(self, base_url: str) -> None:
+        from rlcli import endpoint
+
+        self.base_url = base_url.rstrip("/")
+        self.caps = endpoint.get_json(self.base_url, "/api/v1/get_server_capabilities")
+
+    @property
+    def backend(self) -> str | None:
+        return self.caps.get("backend")
+
+    def check_model(self, model: str) -> None:
+        served = [
+            m.get("model_name")
+            for m in self.caps.get("supported_models") or []
+            if isinstance(m, dict) and m.get("model_name")
+        ]
+        if not served or any(_same_model(model, s) for s in served):
+            return
+        raise RlcliError(
+            f"--model {model}: the server at {self.base_url} serves {', '.join(served)}; "
+            f"pass --model {served[0]} or start a server for this model"
+        )
+
+    def check_lora_rank(self, rank: int) -> None:
+        top = self.caps.get("max_lora_rank")
+        if isinstance(top, int) and rank > top:
+            raise RlcliError(
+                f"--lora-rank {rank}: the server at {self.base_url} allows at most {top} "
+                "(rlcli serve start --max-lora-rank)"
+            )
+
+    def check_loss_config_values(self, model: str, loss: str, config: dict | None) -> None:
+        """A one-datum ``forward`` with the loss and its config: the server refuses bad values
+        (400) here, not after the first batch of rollouts."""
+        if not config:
+            return
+        import tinker
+        from tinker import types
+
+        from rlcli import endpoint
+
+        service = tinker.ServiceClient(base_url=self.base_url, api_key=endpoint.api_key())
+        trainer = service.create_lora_training_client(base_model=model, rank=1)
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2]),
+            loss_fn_inputs={
+                "target_tokens": [2, 3],
+                "logprobs": [-1.0, -1.0],
+                "advantages": [1.0, 1.0],
+            },
+        )
+        try:
+            trainer.forward([datum], loss, config).result()  # type: ignore[arg-type]
+        except (tinker.BadRequestError, tinker.UnprocessableEntityError) as e:
+            raise RlcliError(f"--loss-config {_json(config)}: {_detail(e)}") from None
+
+
+def _same_model(given: str, served: str) -> bool:
+    if given == served:
+        return True
+    a, b = Path(given).expanduser(), Path(served).expanduser()
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
+def _json(value) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def _detail(error) -> str:
+    """The server's own reason from an SDK HTTP error, on one line."""
+    body = getattr(error, "body", None)
+    if isinstance(body, dict):
+        detail = body.get("detail") or body.get("error") or body
+        if isinstance(detail, list | dict):
+            detail = _json(detail)
+        text = str(detail)
+    else:
+        text = str(error)
+    return (
+        f"refused by the server ({getattr(error, 'status_code', '?')}): "
+        + " ".join(text.split())[:300]
+    )
