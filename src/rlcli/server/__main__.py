@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,12 +20,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=os.environ.get("RLCLI_SERVER_API_KEY"))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--session-timeout", type=float, default=300.0)
+    parser.add_argument("--max-sample-tokens", type=int, default=16384)
     args = parser.parse_args(argv)
 
     import uvicorn
 
     from rlcli.models import resolve_model_name
-    from rlcli.server.app import Settings, create_app
+    from rlcli.server.app import create_app
+    from rlcli.server.state import Settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = Settings(
@@ -36,8 +39,11 @@ def main(argv: list[str] | None = None) -> None:
         api_key=args.api_key,
         threads=args.threads,
         session_timeout=args.session_timeout,
+        max_sample_tokens=args.max_sample_tokens,
     )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+    app = create_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    sys.exit(app.state.exit_code)  # non-zero when the engine died: supervisors restart us
 
 
 if __name__ == "__main__":

@@ -1,20 +1,28 @@
 """Checkpoints on disk, and the ``tinker://`` paths that name them.
 
+Invariant 3 lives here: a checkpoint name always resolves to one complete checkpoint, the old
+one or the new one, never half of either and never nothing while it exists.
+
 Layout under the checkpoints dir (one folder per training run, i.e. per training client)::
 
-    <run_id>/run.json                      base model, LoRA config, owner session, times
-    <run_id>/weights/<name>/               save_state: adapter + optimizer.pt
-    <run_id>/sampler_weights/<name>/       save_weights_for_sampler: adapter only
+    <run_id>/run.json                       base model, LoRA config, owner session, times
+    <run_id>/weights/<name>                 save_state: adapter + optimizer.pt
+    <run_id>/sampler_weights/<name>         save_weights_for_sampler: adapter only
 
-Each checkpoint folder is a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``)
-that ``peft.PeftModel.from_pretrained(base, folder)`` loads, plus ``checkpoint.json`` (its
-metadata). Writes go to a temporary sibling and are renamed into place, so a crash never
-leaves half a checkpoint behind.
+Each ``<name>`` is a symlink to a hidden version folder beside it (``.v-<name>-<ns>``) holding a
+PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``, what
+``peft.PeftModel.from_pretrained(base, folder)`` loads) and ``checkpoint.json`` (metadata).
+A save writes and fsyncs a new version, then swaps the link with one ``rename`` (atomic), so a
+reader that resolved the name reads one whole version. Superseded and interrupted versions are
+swept once no link points to them and they are older than a grace period (readers of the old
+version finish first); expired checkpoints (``ttl_seconds``) are swept the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
 import time
@@ -24,6 +32,8 @@ from typing import Any
 
 KINDS = ("weights", "sampler_weights")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+VERSION_PREFIX = ".v-"
+SWEEP_GRACE_S = 120.0  # an unreferenced version lives this long (a reader may still use it)
 
 
 class CheckpointError(ValueError):
@@ -45,7 +55,8 @@ class CheckpointRef:
         return f"{self.kind}/{self.name}"
 
     def folder(self, root: Path) -> Path:
-        return root / self.run_id / self.kind / self.name
+        """The checkpoint's name on disk (a link); ``resolve`` gives the version behind it."""
+        return Path(root) / self.run_id / self.kind / self.name
 
 
 def check_name(name: str, field: str = "path") -> str:
@@ -71,6 +82,36 @@ def parse_tinker_path(path: str) -> CheckpointRef:
     return CheckpointRef(check_name(parts[0], "run_id"), parts[1], check_name(parts[2]))
 
 
+# ---- reading --------------------------------------------------------------------------------
+
+
+def read_meta(version: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((version / "checkpoint.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _expired(meta: dict[str, Any], now: float | None = None) -> bool:
+    expires = meta.get("expires_at")
+    return expires is not None and expires <= (now or time.time())
+
+
+def resolve(folder: Path) -> Path | None:
+    """The complete, unexpired version folder a checkpoint name points to, or None.
+
+    Read everything of one checkpoint from the returned folder: the name may be re-pointed
+    at any moment, the version folder stays whole while it is in use."""
+    try:
+        version = Path(os.path.realpath(folder))
+    except OSError:
+        return None
+    meta = read_meta(version) if version.is_dir() else None
+    if meta is None or _expired(meta):
+        return None
+    return version
+
+
 def write_run(root: Path, run_id: str, record: dict[str, Any]) -> None:
     folder = Path(root) / check_name(run_id, "run_id")
     folder.mkdir(parents=True, exist_ok=True)
@@ -80,33 +121,57 @@ def write_run(root: Path, run_id: str, record: dict[str, Any]) -> None:
 def read_run(root: Path, run_id: str) -> dict[str, Any] | None:
     try:
         return json.loads((Path(root) / check_name(run_id, "run_id") / "run.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
         return None
 
 
 def list_runs(root: Path) -> list[dict[str, Any]]:
     runs = []
-    for path in sorted(Path(root).glob("*/run.json")):
-        try:
+    for path in Path(root).glob("*/run.json"):
+        with contextlib.suppress(OSError, json.JSONDecodeError):
             runs.append(json.loads(path.read_text()))
-        except json.JSONDecodeError:
-            continue
     return sorted(runs, key=lambda r: r.get("created", 0))
 
 
 def list_checkpoints(root: Path, run_id: str) -> list[dict[str, Any]]:
+    """Metadata of the run's live checkpoints, oldest first."""
     out = []
     for kind in KINDS:
-        for meta in sorted((Path(root) / run_id / kind).glob("*/checkpoint.json")):
-            try:
-                out.append(json.loads(meta.read_text()))
-            except json.JSONDecodeError:
+        kind_dir = Path(root) / run_id / kind
+        if not kind_dir.is_dir():
+            continue
+        for entry in kind_dir.iterdir():
+            if entry.name.startswith("."):
                 continue
+            version = resolve(entry)
+            meta = read_meta(version) if version else None
+            if meta is not None:
+                out.append(meta)
     return sorted(out, key=lambda c: c.get("created", 0))
 
 
 def folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def read_adapter(directory: str | Path, optimizer: bool):
+    """(LoraConfig, state dict, optimizer state or None) from one checkpoint version folder.
+
+    Tensors land on the CPU whatever device saved them; the engine moves them."""
+    import torch
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    folder = Path(directory)
+    config = LoraConfig.from_pretrained(str(folder))
+    state = load_file(folder / "adapter_model.safetensors", device="cpu")
+    optim_state = None
+    if optimizer and (folder / "optimizer.pt").exists():
+        optim_state = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
+    return config, state, optim_state
+
+
+# ---- writing --------------------------------------------------------------------------------
 
 
 def write_adapter(
@@ -117,50 +182,141 @@ def write_adapter(
     *,
     optimizer: dict | None = None,
     meta: dict[str, Any],
-) -> None:
-    """Write a PEFT adapter folder (and optimizer state) atomically at ``directory``."""
+) -> Path:
+    """Write a new version of the checkpoint named ``directory`` and point the name at it.
+
+    Returns the version folder. A crash at any point leaves the previous version in place."""
     import copy
 
     import torch
     from safetensors.torch import save_file
 
-    final = Path(directory)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{time.monotonic_ns()}"
-    tmp.mkdir()
+    link = Path(directory)
+    parent = link.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    version = parent / f"{VERSION_PREFIX}{link.name}-{time.time_ns()}"
+    version.mkdir()
     try:
         config = copy.deepcopy(config)
         config.base_model_name_or_path = base_model
-        config.save_pretrained(str(tmp))
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "adapter_model.safetensors")
+        config.save_pretrained(str(version))
+        tensors = {k: v.contiguous() for k, v in state.items()}
+        save_file(tensors, version / "adapter_model.safetensors")
         if optimizer is not None:
-            torch.save(optimizer, tmp / "optimizer.pt")
-        meta = {**meta, "created": time.time(), "size_bytes": folder_size(tmp)}
-        (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+            torch.save(optimizer, version / "optimizer.pt")
+        meta = {**meta, "created": time.time(), "size_bytes": folder_size(version)}
+        (version / "checkpoint.json").write_text(json.dumps(meta, indent=2) + "\n")
+        for path in version.iterdir():
+            _fsync(path)
+        _fsync(version)
+        _point(link, version)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(version, ignore_errors=True)
         raise
+    sweep_versions(parent)
+    return version
 
 
-def read_adapter(directory: str | Path, optimizer: bool):
-    """(LoraConfig, state dict, optimizer state or None) from a checkpoint folder."""
-    import torch
-    from peft import LoraConfig
-    from safetensors.torch import load_file
+def _point(link: Path, version: Path) -> None:
+    """Make ``link`` name ``version`` in one rename (a real folder from an older layout is
+    first moved aside as a version, so it is swept like one)."""
+    if link.is_dir() and not link.is_symlink():
+        link.rename(link.parent / f"{VERSION_PREFIX}{link.name}-legacy-{time.time_ns()}")
+    tmp_link = link.parent / f".link-{link.name}-{time.time_ns()}"
+    os.symlink(version.name, tmp_link)
+    os.replace(tmp_link, link)
+    _fsync(link.parent)
 
-    folder = Path(directory)
-    config = LoraConfig.from_pretrained(str(folder))
-    state = load_file(folder / "adapter_model.safetensors")
-    optim_state = None
-    if optimizer and (folder / "optimizer.pt").exists():
-        optim_state = torch.load(folder / "optimizer.pt", weights_only=True)
-    return config, state, optim_state
+
+def update_meta(version: Path, **changes: Any) -> dict[str, Any]:
+    """Change fields of a checkpoint's metadata in place (atomic replace of checkpoint.json)."""
+    meta = read_meta(version) or {}
+    meta.update(changes)
+    _atomic_write(version / "checkpoint.json", json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def delete(folder: Path) -> bool:
+    """Remove a checkpoint: the name goes first (atomic), then its version. False if absent."""
+    version = resolve(folder)
+    if version is None:
+        return False
+    _unname(folder)
+    shutil.rmtree(version, ignore_errors=True)
+    return True
+
+
+def _unname(folder: Path) -> None:
+    """Take a checkpoint's name away atomically; its version is left for the sweep."""
+    with contextlib.suppress(FileNotFoundError):
+        if folder.is_symlink():
+            folder.unlink()
+        else:  # a real folder from an older layout
+            folder.rename(folder.parent / f"{VERSION_PREFIX}{folder.name}-gone-{time.time_ns()}")
+    _fsync(folder.parent)
+
+
+def sweep_versions(kind_dir: Path, grace: float = SWEEP_GRACE_S) -> None:
+    """Remove versions no name points to (superseded or interrupted) older than ``grace`` s,
+    and links that dangle."""
+    live = set()
+    now = time.time()
+    for entry in list(kind_dir.iterdir()):
+        if entry.name.startswith(".link-"):
+            if now - _mtime(entry) > grace:
+                entry.unlink(missing_ok=True)
+        elif not entry.name.startswith(".") and entry.is_symlink():
+            target = os.readlink(entry)
+            if (kind_dir / target).is_dir():
+                live.add(target)
+            else:
+                entry.unlink(missing_ok=True)
+    for entry in kind_dir.iterdir():
+        unused = entry.name.startswith(VERSION_PREFIX) and entry.name not in live
+        if unused and now - _mtime(entry) > grace:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def sweep(root: Path, grace: float = SWEEP_GRACE_S) -> int:
+    """Expired checkpoints and unreferenced versions under ``root``; returns how many
+    checkpoints expired. Run at start-up (grace 0: nobody reads yet) and periodically."""
+    expired = 0
+    now = time.time()
+    for kind_dir in [d for kind in KINDS for d in Path(root).glob(f"*/{kind}")]:
+        for entry in list(kind_dir.iterdir()):
+            if entry.name.startswith("."):
+                continue
+            meta = read_meta(Path(os.path.realpath(entry)))
+            if meta is not None and _expired(meta, now):
+                _unname(entry)
+                expired += 1
+        sweep_versions(kind_dir, grace)
+    return expired
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except FileNotFoundError:
+        return time.time()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or folder to disk (a rename is only durable once its folder is)."""
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() and not path.is_symlink() else 0)
+    if path.is_symlink():
+        return
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    tmp = path.with_name(f".{path.name}.{time.time_ns()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,27 +1,28 @@
 """The compute engine: one base model, many LoRA adapters, every loss in one fused pass.
 
 ``Engine`` is plain Python over transformers + peft and is usable in-process (the benchmarks
-compare against it). ``engine_main`` runs it in its own process behind two queues, so the HTTP
-layer (``app.py``) never waits on a forward pass. Requests run one at a time in arrival order,
-which is the order each tinker client submits them in.
+compare against it); ``engine_process.py`` runs it in its own process behind a queue of typed
+operations (``ops.py``), so the HTTP layer never waits on a forward pass. It computes only:
+gradients and steps go through ``finite.py`` (no non-finite value reaches an adapter), sampler
+weights through ``samplers.py``, files through ``checkpoints.py``.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import logging
 import math
-import os
-import queue
 import time
-import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from rlcli.server import checkpoints, losses
+from rlcli.server import checkpoints, finite, losses
+from rlcli.server.errors import UserError
+from rlcli.server.samplers import SamplerCache
 from rlcli.server.sampling import SampleJob, SampleOutput, generate
 from rlcli.server.wire import DatumArrays
 
@@ -38,10 +39,6 @@ MAX_SNAPSHOTS = 16
 SAMPLE_ROWS_PER_BATCH = 64  # rows (prompt x sample) decoded together
 
 
-class UserError(ValueError):
-    """The request was wrong (not the server): reported to the client as a user error."""
-
-
 @dataclass
 class Adapter:
     """A training client's LoRA: its parameters and optimizer (its config is peft's)."""
@@ -51,6 +48,7 @@ class Adapter:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
     steps: int = 0
+    trained: bool = False  # a forward_backward or optim_step has changed it: no load_state
 
 
 def pick_device(device: str) -> torch.device:
@@ -126,10 +124,9 @@ class Engine:
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = sorted({int(e) for e in eos if e is not None})
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
-        # Sampler snapshots: key -> (LoraConfig, CPU state dict). Ephemeral ones (from
-        # save_weights_and_get_sampling_client) live only here; saved ones also on disk.
-        self.snapshots: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
-        self.loaded_samplers: dict[str, str] = {}  # key -> peft adapter name, in LRU order
+        self.samplers = SamplerCache(
+            self._add_sampler_adapter, self._delete_adapter, MAX_SNAPSHOTS, MAX_LOADED_SAMPLERS
+        )
 
     # ---- adapters -----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -179,12 +176,30 @@ class Engine:
     def remove_adapter(self, name: str) -> dict[str, Any]:
         if self.adapters.pop(name, None) is None:
             raise UserError(f"unknown model_id {name!r}")
-        if self.adapters or self.loaded_samplers:
+        self._delete_adapter(name)
+        return {"model_id": name}
+
+    def _delete_adapter(self, name: str) -> None:
+        """Drop a peft adapter that its owner (``adapters`` or the sampler cache) let go of."""
+        if self.adapters or self.samplers.live_count():
             self.peft.delete_adapter(name)
         else:  # peft cannot delete its last adapter: unwrap back to the bare base model
             self.model = self.peft.unload()
             self.peft = None
-        return {"model_id": name}
+
+    def _add_sampler_adapter(self, name: str, config, state: dict) -> None:
+        from peft import get_peft_model
+        from peft.utils import set_peft_model_state_dict
+
+        if self.peft is None:
+            self.peft = get_peft_model(self.model, config, adapter_name=name)
+        else:
+            self.peft.add_adapter(name, config)
+        with torch.no_grad():
+            set_peft_model_state_dict(self.peft, state, adapter_name=name)
+        for n, p in self.peft.named_parameters():
+            if f".{name}." in n:
+                p.requires_grad_(False)
 
     def _set_adapter(self, name: str) -> None:
         """peft's set_adapter walks every module (~0.7 ms on the tiny model): skip repeats."""
@@ -214,34 +229,47 @@ class Engine:
         """Run the loss over ``data`` in one forward (+ one backward) pass per micro-batch.
 
         Losses are sums over tokens, so micro-batches accumulate exactly; the gradients stay on
-        the adapter until ``optim_step``.
+        the adapter until ``optim_step``. A non-finite loss or gradient changes nothing.
         """
         spec = losses.LOSSES.get(loss_fn)
         if spec is None:
             raise UserError(losses.unknown_loss_message(loss_fn))
-        config = spec.resolve_config(loss_fn_config or {})
+        try:
+            config = spec.resolve_config(loss_fn_config or {})
+        except ValueError as e:
+            raise UserError(str(e)) from None
         module = self._activate(model_id)
+        adapter = self.adapters[model_id]
+        params = adapter.params
         outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
         total_loss = 0.0
         metric_sums: dict[str, float] = {}
-        for idx in _microbatches([len(d.tokens) for d in data], MICROBATCH_TOKENS):
-            batch = [data[i] for i in idx]
-            with torch.set_grad_enabled(not forward_only):
+        staged = contextlib.nullcontext() if forward_only else finite.staged_gradients(params)
+        with staged, torch.set_grad_enabled(not forward_only):
+            for idx in _microbatches([len(d.tokens) for d in data], MICROBATCH_TOKENS):
+                batch = [data[i] for i in idx]
                 logp, mask, inputs = self._target_logprobs(module, batch, spec.inputs)
                 result = spec.fn(logp, inputs, mask, config)
+                loss = float(result.loss.detach())
+                finite.check_finite(loss, "the loss")
                 if not forward_only:
                     result.loss.backward()
-            total_loss += float(result.loss.detach())
-            for key, value in result.metrics.items():
-                metric_sums[key] = metric_sums.get(key, 0.0) + value
-            logp_np = logp.detach().float().cpu().numpy()
-            elementwise = result.elementwise.detach().float().cpu().numpy()
-            for row, i in enumerate(idx):
-                n = len(data[i].tokens)
-                outputs[i] = {
-                    "logprobs": logp_np[row, :n],
-                    "elementwise_loss": elementwise[row, :n],
-                }
+                total_loss += loss
+                for key, value in result.metrics.items():
+                    metric_sums[key] = metric_sums.get(key, 0.0) + value
+                logp_np = logp.detach().float().cpu().numpy()
+                elementwise = result.elementwise.detach().float().cpu().numpy()
+                for row, i in enumerate(idx):
+                    n = len(data[i].tokens)
+                    outputs[i] = {
+                        "logprobs": logp_np[row, :n],
+                        "elementwise_loss": elementwise[row, :n],
+                    }
+            finite.check_finite(total_loss, "the loss")
+            for key, value in metric_sums.items():
+                finite.check_finite(value, f"metric {key}")
+        if not forward_only:
+            adapter.trained = True
         metrics = {"loss:sum": total_loss}
         metrics.update({f"{k}:sum": v for k, v in metric_sums.items()})
         return outputs, metrics
@@ -249,26 +277,37 @@ class Engine:
     def _target_logprobs(
         self, module: torch.nn.Module, batch: list[DatumArrays], input_names: tuple[str, ...]
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """Right-padded batch -> per-token log p(target) [B, T], validity mask, loss inputs."""
+        """Right-padded batch -> log p(target) [B, T] (or [B, T, K] for K targets per
+        position), validity mask [B, T], loss inputs shaped like the targets. An optional
+        input a datum left out gets its default (``losses.default_input``)."""
         width = max(len(d.tokens) for d in batch)
+        k_shape = batch[0].inputs["target_tokens"].shape[1:]  # () or (K,)
         tokens = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.bool)
-        present = [name for name in input_names if name in batch[0].inputs]
-        inputs = {name: torch.zeros(len(batch), width) for name in present}
-        targets = torch.zeros(len(batch), width, dtype=torch.long)
+        present = [n for n in input_names if any(n in d.inputs for d in batch)]
+        inputs = {name: torch.zeros(len(batch), width, *k_shape) for name in present}
+        targets = torch.zeros(len(batch), width, *k_shape, dtype=torch.long)
         for row, d in enumerate(batch):
             n = len(d.tokens)
             tokens[row, :n] = torch.from_numpy(d.tokens)
             mask[row, :n] = True
             targets[row, :n] = torch.from_numpy(d.inputs["target_tokens"].astype(np.int64))
             for name in present:
-                inputs[name][row, :n] = torch.from_numpy(d.inputs[name].astype(np.float32))
+                value = d.inputs.get(name)
+                if value is None:
+                    value = losses.default_input(name, d.inputs)
+                inputs[name][row, :n] = torch.from_numpy(value.astype(np.float32))
         dev = self.device
         tokens, mask, targets = tokens.to(dev), mask.to(dev), targets.to(dev)
         inputs = {k: v.to(dev) for k, v in inputs.items()}
         logits = module(input_ids=tokens, attention_mask=mask.long()).logits.float()
-        logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-        return logp * mask, mask, inputs
+        lse = logits.logsumexp(-1, keepdim=True)
+        if targets.dim() == 2:
+            logp = (logits.gather(-1, targets.unsqueeze(-1)) - lse).squeeze(-1)
+            return logp * mask, mask, inputs
+        flat = targets.flatten(2)  # [B, T, K]
+        logp = logits.gather(-1, flat) - lse
+        return logp * mask.unsqueeze(-1), mask, inputs
 
     def optim_step(
         self,
@@ -281,17 +320,17 @@ class Engine:
         grad_clip_norm: float = 0.0,
     ) -> dict[str, float]:
         """AdamW (torch's, decoupled weight decay) on the adapter's accumulated gradients."""
-        adapter = self.adapters.get(model_id)
-        if adapter is None:
-            raise UserError(f"unknown model_id {model_id!r}")
+        adapter = self._require(model_id)
         for group in adapter.optimizer.param_groups:
             group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
         max_norm = grad_clip_norm if grad_clip_norm > 0 else math.inf
         grads = [p for p in adapter.params if p.grad is not None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
-        adapter.optimizer.step()
+        finite.check_finite(grad_norm, "the gradient norm")
+        finite.guarded_step(adapter.params, adapter.optimizer)
         adapter.optimizer.zero_grad(set_to_none=True)
         adapter.steps += 1
+        adapter.trained = True
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": learning_rate}
 
     # ---- checkpoints -----------------------------------------------------------------------
@@ -317,20 +356,57 @@ class Engine:
         return {"path": meta["tinker_path"]}
 
     def load_state(self, model_id: str, directory: str, optimizer: bool, path: str) -> dict:
+        """Restore a fresh training client from a checkpoint, all of it or nothing.
+
+        Everything is checked before anything changes: the LoRA rank and target modules, every
+        tensor's name and shape, and the optimizer state (loaded into a scratch optimizer)."""
         from peft.utils import set_peft_model_state_dict
 
         adapter = self._require(model_id)
-        config, state, optim_state = checkpoints.read_adapter(directory, optimizer)
+        if adapter.trained:
+            raise UserError(
+                "load_state into a training client that has already trained is not permitted; "
+                "create a new training client from the state instead "
+                "(create_training_client_from_state)"
+            )
+        version = checkpoints.resolve(Path(directory))
+        if version is None:
+            raise UserError(f"path: no checkpoint at {path}")
+        config, state, optim_state = checkpoints.read_adapter(version, optimizer)
+        mine = self.peft.peft_config[model_id]
         if config.r != adapter.rank:
             raise UserError(
                 f"path: {path} has LoRA rank {config.r}, this training client has {adapter.rank}"
             )
+        if set(config.target_modules or ()) != set(mine.target_modules or ()):
+            raise UserError(
+                f"path: {path} adapts {sorted(config.target_modules or ())}, this training "
+                f"client adapts {sorted(mine.target_modules or ())} (train_mlp / train_attn / "
+                "train_unembed differ)"
+            )
+        expected = {k: v.shape for k, v in self._adapter_state(model_id).items()}
+        got = {k: v.shape for k, v in state.items()}
+        if expected != got:
+            missing = sorted(set(expected) - set(got))[:3]
+            odd = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])[:3]
+            raise UserError(
+                f"path: {path} does not match this training client's adapter "
+                f"(missing {missing}, shape differs {odd})"
+            )
+        if any(not bool(torch.isfinite(v).all()) for v in state.values()):
+            raise UserError(f"path: {path} holds non-finite weights; refusing to load them")
+        if optimizer:
+            if optim_state is None:
+                raise UserError(f"path: {path} holds no optimizer state (a sampler checkpoint?)")
+            scratch = torch.optim.AdamW(adapter.params)
+            try:
+                scratch.load_state_dict(optim_state)
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise UserError(f"path: {path} optimizer state does not fit ({e})") from None
         with torch.no_grad():
             set_peft_model_state_dict(self.peft, state, adapter_name=model_id)
         adapter.optimizer.zero_grad(set_to_none=True)
         if optimizer:
-            if optim_state is None:
-                raise UserError(f"path: {path} holds no optimizer state (a sampler checkpoint?)")
             adapter.optimizer.load_state_dict(optim_state)
         else:
             adapter.optimizer.state.clear()
@@ -341,61 +417,27 @@ class Engine:
         self._require(model_id)
         state = self._adapter_state(model_id)
         config = self.peft.peft_config[model_id]
+        version = None
         if directory:
-            checkpoints.write_adapter(directory, state, config, self.base_model, meta=meta)
-        self.snapshots[key] = (config, state)
-        while len(self.snapshots) > MAX_SNAPSHOTS:
-            oldest = next(iter(self.snapshots))
-            self.snapshots.pop(oldest)
-            self._unload_sampler(oldest)
+            version = str(
+                checkpoints.write_adapter(directory, state, config, self.base_model, meta=meta)
+            )
+        self.samplers.put(key, config, state, version)
         return {"path": meta.get("tinker_path"), "key": key}
 
-    def _unload_sampler(self, key: str) -> None:
-        name = self.loaded_samplers.pop(key, None)
-        if name is not None:
-            self.peft.delete_adapter(name)
-
     def _sampler_module(self, key: str | None) -> torch.nn.Module:
-        """The module that samples from ``key``: the base model, or a snapshot as an adapter,
-        loaded on demand from memory or from its checkpoint folder."""
-        from peft import get_peft_model
-        from peft.utils import set_peft_model_state_dict
-
+        """The module that samples from ``key``: the base model, or a snapshot as an adapter."""
         if key is None:
             return self._activate(None)
-        if key in self.loaded_samplers:
-            name = self.loaded_samplers.pop(key)
-            self.loaded_samplers[key] = name  # most recently used
-            self._set_adapter(name)
-            return self.peft
-        if key not in self.snapshots:
-            if not key.startswith("/"):
-                raise UserError("sampler expired: save the weights for sampling again")
-            config, state, _ = checkpoints.read_adapter(key, optimizer=False)
-            self.snapshots[key] = (config, state)
-        config, state = self.snapshots[key]
-        config = copy.deepcopy(config)  # peft keeps (and may change) the config it is given
-        while len(self.loaded_samplers) >= MAX_LOADED_SAMPLERS:
-            self._unload_sampler(next(iter(self.loaded_samplers)))
-        name = f"sampler-{len(self.loaded_samplers)}-{time.monotonic_ns()}"
-        if self.peft is None:
-            self.peft = get_peft_model(self.model, config, adapter_name=name)
-        else:
-            self.peft.add_adapter(name, config)
-        with torch.no_grad():
-            set_peft_model_state_dict(self.peft, state, adapter_name=name)
-        for n, p in self.peft.named_parameters():
-            if f".{name}." in n:
-                p.requires_grad_(False)
-        self.loaded_samplers[key] = name
-        self._set_adapter(name)
+        self._set_adapter(self.samplers.activate(key))
         return self.peft
 
     # ---- sampling ---------------------------------------------------------------------------
-    def sample(self, jobs: list[SampleJob]) -> list[SampleOutput | str]:
-        """Run many sample requests, batched per sampler. A job that fails (an expired sampler)
-        gets its error message in place of an output; the others still run."""
-        results: list[SampleOutput | str] = [""] * len(jobs)
+    def sample(self, jobs: list[SampleJob]) -> list[SampleOutput | UserError | Exception]:
+        """Run many sample requests, batched per sampler. Each job gets its output or its own
+        error: a job that fails alone (an expired sampler, a bad value) never fails the others;
+        if a whole batch fails, its jobs are retried one by one to find which."""
+        results: list[Any] = [None] * len(jobs)
         groups: dict[str | None, list[int]] = {}
         for i, job in enumerate(jobs):
             job.stop_tokens = sorted(set(job.stop_tokens) | set(self.eos_ids))
@@ -403,21 +445,32 @@ class Engine:
         for key, indices in groups.items():
             try:
                 module = self._sampler_module(key)
-            except UserError as e:
+            except Exception as e:
                 for i in indices:
-                    results[i] = str(e)
+                    results[i] = e
                 continue
             for chunk in _row_chunks([jobs[i] for i in indices], indices):
-                outs = generate(
-                    module,
-                    [jobs[i] for i in chunk],
-                    device=self.device,
-                    pad_id=self.pad_id,
-                    decode=self.tokenizer.decode,
-                )
+                outs = self._generate(module, [jobs[i] for i in chunk])
                 for i, out in zip(chunk, outs, strict=True):
                     results[i] = out
         return results
+
+    def _generate(self, module, jobs: list[SampleJob]) -> list[SampleOutput | Exception]:
+        def run(batch):
+            return generate(
+                module, batch, device=self.device, pad_id=self.pad_id, decode=self.tokenizer.decode
+            )
+
+        try:
+            return run(jobs)
+        except Exception as e:
+            if len(jobs) == 1:
+                log.exception("sampling failed")
+                return [e]
+        out: list[SampleOutput | Exception] = []
+        for job in jobs:  # isolate the culprit: the others still get their samples
+            out.extend(self._generate(module, [job]))
+        return out
 
     def _require(self, model_id: str) -> Adapter:
         adapter = self.adapters.get(model_id)
@@ -465,89 +518,3 @@ def _microbatches(lengths: list[int], budget: int) -> list[list[int]]:
     if current:
         groups.append(current)
     return groups
-
-
-# ---- the engine process ------------------------------------------------------------------
-
-
-def engine_main(settings: dict[str, Any], requests, results) -> None:
-    """Process entry point: build the engine, then serve ``(request_id, op, kwargs)`` forever.
-
-    Replies are ``(request_id, "ok", value)`` or ``(request_id, "user"|"server", message)``.
-    The first reply is ``("__ready__", "ok", info)`` or ``("__ready__", "server", why)``.
-    """
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
-    torch.set_num_threads(settings.get("threads") or torch.get_num_threads())
-    try:
-        engine = Engine(
-            settings["base_model"],
-            device=settings.get("device", "auto"),
-            dtype=settings.get("dtype", "auto"),
-            max_lora_rank=settings.get("max_lora_rank", 64),
-        )
-    except Exception as e:
-        log.error("engine failed to start:\n%s", traceback.format_exc())
-        results.put(("__ready__", "server", f"{type(e).__name__}: {e}"))
-        return
-    results.put(("__ready__", "ok", engine.info()))
-    log.info("engine ready: %s", engine.info())
-    parent = os.getppid()
-    held = None  # a non-sample request met while gathering a sampling batch
-    while True:
-        if held is not None:
-            item, held = held, None
-        else:
-            try:
-                item = requests.get(timeout=1.0)
-            except queue.Empty:
-                if os.getppid() != parent:  # the HTTP process died without telling us
-                    return
-                continue
-        if item is None:
-            return
-        if item[1] == "sample":
-            batch, held = _gather_samples(item, requests)
-            _run_samples(engine, batch, results)
-            continue
-        _run_one(engine, item, results)
-
-
-def _gather_samples(first, requests, window: float = 0.003):
-    """The sample requests queued right behind ``first`` (waiting ``window`` s for
-    stragglers), so concurrent rollouts decode as one batch. Stops at the first request of
-    another kind, which is returned to run next: order across kinds is kept."""
-    batch, deadline = [first], time.monotonic() + window
-    while len(batch) < SAMPLE_ROWS_PER_BATCH:
-        try:
-            item = requests.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        if item is None or item[1] != "sample":
-            return batch, item
-        batch.append(item)
-    return batch, None
-
-
-def _run_samples(engine: Engine, batch, results) -> None:
-    try:
-        outputs = engine.sample([kwargs["job"] for _, _, kwargs in batch])
-    except Exception as e:
-        log.error("sample failed:\n%s", traceback.format_exc())
-        for request_id, _, _ in batch:
-            results.put((request_id, "server", f"{type(e).__name__}: {e}"))
-        return
-    for (request_id, _, _), out in zip(batch, outputs, strict=True):
-        results.put((request_id, "user", out) if isinstance(out, str) else (request_id, "ok", out))
-
-
-def _run_one(engine: Engine, item, results) -> None:
-    request_id, op, kwargs = item
-    started = time.perf_counter()
-    try:
-        results.put((request_id, "ok", getattr(engine, op)(**kwargs)))
-    except UserError as e:
-        results.put((request_id, "user", str(e)))
-    except Exception as e:
-        log.error("%s failed:\n%s", op, traceback.format_exc())
-        results.put((request_id, "server", f"{type(e).__name__}: {e}"))
-    log.debug("%s %s took %.3fs", op, request_id, time.perf_counter() - started)

@@ -1,16 +1,19 @@
 """Futures: the tinker pattern of "POST returns a request id, poll ``retrieve_future``".
 
-The HTTP process owns a ``FutureStore``; the engine process's replies are fed in from a reader
-thread. ``wait`` long-polls, so an idle client makes one request per ``poll_seconds`` instead of
-spinning, and a finished result is answered the moment it lands.
+The HTTP process owns a ``FutureStore``; the engine's replies arrive from a reader thread and
+are handed to the event loop (``call_soon_threadsafe``), the only thread that touches the
+store. ``wait`` long-polls, so an idle client makes one request per poll window instead of
+spinning, and a finished result is answered the moment it lands. Finished outcomes are kept
+for ``keep_s`` seconds (a client may poll again after a dropped response), at most ``keep_done``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -18,23 +21,25 @@ from typing import Any
 class Outcome:
     status: str  # "ok" | "user" | "server"
     value: Any  # the engine's return value, or an error message
-    kind: str  # what was asked, e.g. "forward_backward"; decides how the value is encoded
+    op: type  # the ops.Op subclass asked for: its ``answer`` encodes the value
+    finished: float = field(default_factory=time.monotonic)
 
 
 class FutureStore:
-    def __init__(self, keep_done: int = 4096) -> None:
-        self._pending: dict[str, tuple[asyncio.Future, str]] = {}
+    def __init__(self, keep_done: int = 4096, keep_s: float = 600.0) -> None:
+        self._pending: dict[str, tuple[asyncio.Future, type]] = {}
         self._done: OrderedDict[str, Outcome] = OrderedDict()
         self._keep_done = keep_done
+        self._keep_s = keep_s
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
-    def create(self, kind: str) -> str:
+    def create(self, op: type) -> str:
         request_id = str(uuid.uuid4())
         assert self._loop is not None, "FutureStore.bind() first"
-        self._pending[request_id] = (self._loop.create_future(), kind)
+        self._pending[request_id] = (self._loop.create_future(), op)
         return request_id
 
     def resolve(self, request_id: str, status: str, value: Any) -> None:
@@ -46,16 +51,26 @@ class FutureStore:
         entry = self._pending.pop(request_id, None)
         if entry is None:
             return
-        future, kind = entry
-        outcome = Outcome(status, value, kind)
+        future, op = entry
+        outcome = Outcome(status, value, op)
         self._done[request_id] = outcome
-        while len(self._done) > self._keep_done:
-            self._done.popitem(last=False)
+        self._prune()
         if not future.done():
             future.set_result(outcome)
 
+    def _prune(self) -> None:
+        cutoff = time.monotonic() - self._keep_s
+        while self._done and (
+            len(self._done) > self._keep_done or next(iter(self._done.values())).finished < cutoff
+        ):
+            self._done.popitem(last=False)
+
     def fail_all(self, message: str) -> None:
-        """The engine died: every pending request fails with a server error."""
+        """Thread-safe: the engine died, every pending request fails with a server error."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._fail_all, message)
+
+    def _fail_all(self, message: str) -> None:
         for request_id in list(self._pending):
             self._resolve(request_id, "server", message)
 

@@ -9,13 +9,20 @@ Every function gets ``target_logprobs`` [B, T] (with grad), the loss inputs as f
 tensors (zero-padded), the validity ``mask`` [B, T] and the resolved config, and returns the
 scalar loss, the per-token loss, and summed metrics. An optional ``weights`` input scales the
 per-token terms of every loss (absent means 1, as on SkyRL).
+
+Importance ratios are exponentiated only where a token can contribute (inside the mask, with a
+nonzero advantage and weight): elsewhere the log ratio is 0, so a wild sampler logprob on a
+token that does not count can never turn into ``inf * 0 = NaN``. A ratio that overflows on a
+token that does count gives a non-finite loss, which the engine refuses (``finite.py``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -41,16 +48,35 @@ class LossSpec:
         return self.required + self.optional
 
     def resolve_config(self, given: dict[str, float]) -> dict[str, float]:
+        """The config with defaults filled in; ValueError naming the key for anything unknown,
+        non-finite or out of range."""
         unknown = sorted(set(given) - set(self.defaults))
         if unknown:
             accepted = ", ".join(sorted(self.defaults)) or "none"
             raise ValueError(f"loss_fn_config: unknown key(s) {unknown}; accepted: {accepted}")
-        return {**self.defaults, **given}
+        for key, value in given.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"loss_fn_config.{key}: {value!r} is not a number")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"loss_fn_config.{key}: {value!r} must be a finite number >= 0")
+        config = {**self.defaults, **{k: float(v) for k, v in given.items()}}
+        if config.get("clip_low_threshold", 0.0) > config.get("clip_high_threshold", math.inf):
+            raise ValueError(
+                f"loss_fn_config: clip_low_threshold {config['clip_low_threshold']} is above "
+                f"clip_high_threshold {config['clip_high_threshold']}"
+            )
+        return config
 
 
 def _weights(inputs: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     w = inputs.get("weights")
     return mask.float() if w is None else w * mask
+
+
+def _ratio(logp, inputs, mask, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exp(logp - sampler logp) where the token counts and 1 elsewhere, where it counts)."""
+    counts = mask & (inputs["advantages"] != 0) & (w != 0)
+    return torch.exp(torch.where(counts, logp - inputs["logprobs"], 0.0)), counts
 
 
 def _finish(per_token: torch.Tensor, **metrics: torch.Tensor) -> LossResult:
@@ -62,13 +88,17 @@ def _finish(per_token: torch.Tensor, **metrics: torch.Tensor) -> LossResult:
 
 
 def cross_entropy(logp, inputs, mask, config) -> LossResult:
+    """-sum(weights * logp). ``logp`` and ``weights`` may be [B, T, K] (Tinker's top-K
+    distillation: K target tokens per position, each with its own weight)."""
+    if logp.dim() == 3:
+        mask = mask.unsqueeze(-1)
     weights = inputs["weights"] * mask if "weights" in inputs else mask.float()
     return _finish(-logp * weights)
 
 
 def importance_sampling(logp, inputs, mask, config) -> LossResult:
     w = _weights(inputs, mask)
-    ratio = torch.exp(logp - inputs["logprobs"]) * mask
+    ratio, _ = _ratio(logp, inputs, mask, w)
     return _finish(-(ratio * inputs["advantages"]) * w)
 
 
@@ -79,18 +109,18 @@ def _clip_ratio(ratio, config):
 def ppo(logp, inputs, mask, config) -> LossResult:
     w = _weights(inputs, mask)
     adv = inputs["advantages"]
-    ratio = torch.exp(logp - inputs["logprobs"]) * mask
+    ratio, counts = _ratio(logp, inputs, mask, w)
     clipped = _clip_ratio(ratio, config)
     objective = torch.minimum(ratio * adv, clipped * adv)
-    return _finish(-objective * w, clipped_tokens=((clipped != ratio) & mask).float())
+    return _finish(-objective * w, clipped_tokens=((clipped != ratio) & counts).float())
 
 
 def cispo(logp, inputs, mask, config) -> LossResult:
     w = _weights(inputs, mask)
-    ratio = torch.exp(logp - inputs["logprobs"]) * mask
+    ratio, counts = _ratio(logp, inputs, mask, w)
     clipped = _clip_ratio(ratio, config).detach()
     objective = clipped * logp * inputs["advantages"]
-    return _finish(-objective * w, clipped_tokens=((clipped != ratio) & mask).float())
+    return _finish(-objective * w, clipped_tokens=((clipped != ratio) & counts).float())
 
 
 def dro(logp, inputs, mask, config) -> LossResult:
@@ -147,3 +177,16 @@ LOSSES: dict[str, LossSpec] = {
 
 def unknown_loss_message(name: str) -> str:
     return f"loss_fn: unknown loss {name!r}; supported: {', '.join(sorted(LOSSES))}"
+
+
+def default_input(name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    """The value of an optional input that a datum left out. Each datum is self-contained, as
+    in Tinker: a batch may mix datums with and without ``weights``."""
+    if name == "sequence_ratio_mask":
+        return (inputs["advantages"] != 0).astype(np.float32)
+    return np.ones(inputs["target_tokens"].shape, np.float32)  # weights: every token counts
+
+
+def config_defaults() -> dict[str, dict[str, float]]:
+    """Each loss's accepted ``loss_fn_config`` keys and defaults (listed in capabilities)."""
+    return {name: dict(spec.defaults) for name, spec in sorted(LOSSES.items())}

@@ -88,7 +88,19 @@ def prompt_logprob_arrays(
 
 
 def _hits_stop_string(tokens: list[int], stops: list[str], decode) -> bool:
-    return bool(stops) and any(stop in decode(tokens) for stop in stops)
+    """Does the text end in a stop string? Only the last tokens are decoded: a token stands for
+    at least one byte, so a stop string of L characters (<= 4L bytes) lies within the last
+    4L + 1 tokens (one more for a token that straddles its start). Linear in length overall."""
+    if not stops:
+        return False
+    window = 4 * max(len(stop) for stop in stops) + 1
+    text = decode(tokens[-window:])
+    return any(stop in text for stop in stops)
+
+
+def row_seed(seed: int, sample: int) -> int:
+    """The generator seed of sample ``sample`` of a request seeded ``seed`` (any uint64)."""
+    return (seed * 1_000_003 + sample) % 2**63
 
 
 @torch.inference_mode()
@@ -104,7 +116,7 @@ def generate(
         for s in range(job.num_samples):
             generator = None
             if job.seed is not None:
-                generator = torch.Generator().manual_seed(job.seed * 1_000_003 + s)
+                generator = torch.Generator().manual_seed(row_seed(job.seed, s))
             rows.append(_Row(job=j, generator=generator))
     width = max(len(job.prompt) for job in jobs)
     batch = len(rows)
@@ -156,6 +168,9 @@ def generate(
     seeded = [r for r, row in enumerate(rows) if row.generator is not None and not greedy[r]]
     free = [r for r, row in enumerate(rows) if row.generator is None and not greedy[r]]
     greedy_rows = [r for r in range(batch) if greedy[r]]
+    for row in rows:  # asked for nothing: done before the first step, alone or batched
+        if jobs[row.job].max_tokens == 0:
+            row.reason = "length"
     max_new = max(job.max_tokens for job in jobs)
     position = positions[:, -1]
     for _ in range(max_new):

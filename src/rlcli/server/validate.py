@@ -44,13 +44,18 @@ def validate_forward_backward(req: FwdBwdRequest, vocab_size: int, max_context: 
                     f"{where}.loss_fn_inputs.{name}: missing; loss {req.loss_fn!r} needs "
                     f"{', '.join(('target_tokens', *spec.required))}"
                 )
-        for name in spec.optional:  # all datums carry an optional input, or none does
-            if (name in datum.inputs) != (name in req.data[0].inputs):
-                has, lacks = (i, 0) if name in datum.inputs else (0, i)
-                raise RequestError(
-                    f"data[{lacks}].loss_fn_inputs.{name}: missing, but data[{has}] has it; "
-                    "send it for every datum or for none"
-                )
+        # Top-K distillation (cross_entropy only): K target tokens per position, [N, K].
+        target_shape = datum.inputs["target_tokens"].shape
+        if target_shape[1:] and req.loss_fn != "cross_entropy":
+            raise RequestError(
+                f"{where}.loss_fn_inputs.target_tokens: shape {list(target_shape)}; only "
+                "cross_entropy takes K targets per position, other losses take [N]"
+            )
+        if target_shape[1:] != req.data[0].inputs["target_tokens"].shape[1:]:
+            raise RequestError(
+                f"{where}.loss_fn_inputs.target_tokens: shape {list(target_shape)}, but "
+                f"data[0] has {list(req.data[0].inputs['target_tokens'].shape)}; one K per batch"
+            )
         for name, arr in datum.inputs.items():
             field = f"{where}.loss_fn_inputs.{name}"
             if name in IGNORED_INPUTS:
@@ -60,9 +65,10 @@ def validate_forward_backward(req: FwdBwdRequest, vocab_size: int, max_context: 
                     f"{field}: not an input of loss {req.loss_fn!r} "
                     f"(it takes {', '.join(sorted(allowed))})"
                 )
-            if arr.ndim != 1 or arr.shape[0] != n:
+            expected = [n, *target_shape[1:]] if name in ("target_tokens", "weights") else [n]
+            if list(arr.shape) != expected:
                 raise RequestError(
-                    f"{field}: shape {list(arr.shape)}, expected [{n}] "
+                    f"{field}: shape {list(arr.shape)}, expected {expected} "
                     "(one value per model_input token)"
                 )
             if name == "target_tokens":

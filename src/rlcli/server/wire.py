@@ -8,6 +8,7 @@ application/x-protobuf``). We reuse the generated classes shipped inside ``tinke
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,28 @@ class FwdBwdRequest:
     data: list[DatumArrays]
 
 
+MAX_ELEMENTS = 1 << 28  # per tensor: far beyond any real datum, well inside memory
+
+
+def decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """The body under its ``Content-Encoding`` (none or zstd), at most ``limit`` bytes."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding != "zstd":
+        raise WireError(f"Content-Encoding: {encoding!r} is not supported (use zstd or none)")
+    import zstandard
+
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            out = reader.read(limit + 1)
+    except zstandard.ZstdError as e:
+        raise WireError(f"body: not valid zstd data ({e})") from None
+    if len(out) > limit:
+        raise WireError(f"body: more than {limit} bytes once decompressed")
+    return out
+
+
 _DTYPES = {
     public_pb.DTYPE_FLOAT32: np.float32,
     public_pb.DTYPE_INT64: np.int64,
@@ -48,16 +71,30 @@ def _decode_tensor(msg, where: str) -> np.ndarray:
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise WireError(f"{where}: unsupported dtype {msg.dtype}")
-    shape = list(msg.shape)
+    shape = [int(d) for d in msg.shape]
+    if any(d < 0 for d in shape) or len(shape) > 2 or math.prod(shape) > MAX_ELEMENTS:
+        raise WireError(f"{where}: shape {shape} is not a 1-d or 2-d shape of a sane size")
     kind = msg.WhichOneof("encoding")
     if kind == "sparse_csr":
         if len(shape) != 2:
             raise WireError(f"{where}: a sparse tensor needs a 2-d shape, got {shape}")
-        values = np.frombuffer(msg.sparse_csr.values, dtype=dtype)
-        crow = np.frombuffer(msg.sparse_csr.crow_indices, dtype=np.int64)
-        col = np.frombuffer(msg.sparse_csr.col_indices, dtype=np.int64)
+        sparse = msg.sparse_csr
+        for name, raw, size in (
+            ("values", sparse.values, np.dtype(dtype).itemsize),
+            ("crow_indices", sparse.crow_indices, 8),
+            ("col_indices", sparse.col_indices, 8),
+        ):
+            if len(raw) % size:
+                raise WireError(f"{where}.{name}: {len(raw)} bytes is not whole elements")
+        values = np.frombuffer(sparse.values, dtype=dtype)
+        crow = np.frombuffer(sparse.crow_indices, dtype=np.int64)
+        col = np.frombuffer(sparse.col_indices, dtype=np.int64)
         if len(crow) != shape[0] + 1 or len(col) != len(values):
             raise WireError(f"{where}: inconsistent sparse CSR indices")
+        if crow[0] != 0 or crow[-1] != len(values) or np.any(np.diff(crow) < 0):
+            raise WireError(f"{where}: crow_indices must rise from 0 to the number of values")
+        if col.size and (col.min() < 0 or col.max() >= shape[1]):
+            raise WireError(f"{where}: a column index is outside 0..{shape[1] - 1}")
         dense = np.zeros(shape, dtype=dtype)
         for row in range(shape[0]):
             start, end = crow[row], crow[row + 1]
@@ -68,7 +105,7 @@ def _decode_tensor(msg, where: str) -> np.ndarray:
         raise WireError(f"{where}: {len(raw)} bytes is not a whole number of elements")
     arr = np.frombuffer(raw, dtype=dtype)
     if shape:
-        if int(np.prod(shape)) != arr.size:
+        if math.prod(shape) != arr.size:
             raise WireError(f"{where}: shape {shape} does not match {arr.size} elements")
         arr = arr.reshape(shape)
     return arr
@@ -110,22 +147,35 @@ def decode_forward_backward(body: bytes) -> FwdBwdRequest:
 def encode_forward_backward_output(
     outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]
 ) -> bytes:
-    """One batched ``ArrayRecord``: per field, the datums' arrays concatenated with byte offsets."""
+    """Batched ``ArrayRecord``s: per field, the datums' arrays concatenated with byte offsets.
+    Datums whose arrays differ in trailing shape ([N] vs [N, K]) go in separate consecutive
+    records, as the client's decoder expects."""
     msg = public_pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     for key, value in metrics.items():
         msg.metrics[key] = float(value)
+    start = 0
+    while start < len(outputs):
+        trailing = {k: v.shape[1:] for k, v in outputs[start].items()}
+        end = start + 1
+        while end < len(outputs) and {k: v.shape[1:] for k, v in outputs[end].items()} == trailing:
+            end += 1
+        _add_record(msg, outputs[start:end], trailing)
+        start = end
+    return msg.SerializeToString()
+
+
+def _add_record(msg, outputs: list[dict[str, np.ndarray]], trailing: dict) -> None:
     record = msg.loss_fn_outputs.add()
     record.type_tag = "ArrayRecord"
     record.num_datums = len(outputs)
-    names = outputs[0].keys() if outputs else []
-    for name in names:
+    for name in outputs[0]:
         arrays = [np.ascontiguousarray(out[name], dtype=np.float32) for out in outputs]
         offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
         bt = record.fields[name]
         bt.data = b"".join(a.tobytes() for a in arrays)
         bt.offsets = offsets.tobytes()
         bt.dtype = public_pb.DTYPE_FLOAT32
-    return msg.SerializeToString()
+        bt.trailing_shape.extend(trailing[name])
 
 
 def forward_backward_output_json(
@@ -136,7 +186,11 @@ def forward_backward_output_json(
         "loss_fn_output_type": "ArrayRecord",
         "loss_fn_outputs": [
             {
-                name: {"data": arr.astype(float).tolist(), "dtype": "float32", "shape": [arr.size]}
+                name: {
+                    "data": arr.astype(float).ravel().tolist(),
+                    "dtype": "float32",
+                    "shape": list(arr.shape),
+                }
                 for name, arr in out.items()
             }
             for out in outputs
@@ -181,22 +235,3 @@ def sample_response_json(output) -> dict:
         if output.prompt_logprobs is None
         else nan_to_none(output.prompt_logprobs),
     }
-
-
-def prompt_tokens(prompt: dict, field: str = "prompt") -> np.ndarray:
-    """Tokens of a JSON ``ModelInput`` (``{"chunks": [{"tokens": [...]}, ...]}``)."""
-    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
-        raise WireError(f"{field}: expected a ModelInput object with chunks")
-    pieces = []
-    for j, chunk in enumerate(prompt["chunks"]):
-        kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
-        if kind != "encoded_text" or not isinstance(chunk.get("tokens"), list):
-            raise WireError(
-                f"{field}.chunks[{j}]: {kind or 'malformed'} chunks are not supported "
-                "(text tokens only)"
-            )
-        pieces.append(chunk["tokens"])
-    flat = [t for piece in pieces for t in piece]
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in flat):
-        raise WireError(f"{field}: token ids must be integers")
-    return np.asarray(flat, dtype=np.int64)

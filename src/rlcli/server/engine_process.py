@@ -1,0 +1,215 @@
+"""Both ends of the queue between the HTTP process and the engine process.
+
+``EngineClient`` (HTTP side) starts the engine, submits typed operations (``ops.py``) and feeds
+the replies into the ``FutureStore``. ``engine_main`` (engine side) builds the ``Engine`` and
+runs operations in arrival order, which is each tinker client's order; consecutive ``Sample``
+operations are decoded as one batch.
+
+Invariant 2 (every request gets an answer) is held here for the engine's part: every submitted
+operation gets exactly one reply (its result, a user error or a server error), and if the engine
+process dies, every pending and every later request fails at once with the reason instead of
+waiting forever. The server then exits (see ``app.py``) so that whatever supervises it
+(``rlcli serve start`` run again, a container restart policy) brings up a fresh one.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from rlcli.server import ops
+from rlcli.server.futures import FutureStore
+
+log = logging.getLogger("rlcli.server")
+
+READY = "__ready__"
+GATHER_WINDOW_S = 0.003  # how long a sample request waits for others to batch with
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is loading or gone; the message says which."""
+
+
+class EngineClient:
+    def __init__(
+        self,
+        settings: dict[str, Any],
+        futures: FutureStore,
+        on_death: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_death(reason)`` is called (from a thread) once, if the engine dies."""
+        ctx = mp.get_context("spawn")  # never fork a process that has threads and a loop
+        self._requests = ctx.Queue()
+        self._results = ctx.Queue()
+        self._futures = futures
+        self.on_death = on_death
+        self.info: dict[str, Any] | None = None  # set once the model is loaded
+        self.error: str | None = None  # set if the engine failed to start or died
+        self.ready = threading.Event()
+        self._process = ctx.Process(
+            target=engine_main,
+            args=(settings, self._requests, self._results),
+            name="rlcli-engine",
+            daemon=True,
+        )
+
+    def start(self) -> None:
+        self._process.start()
+        threading.Thread(target=self._read_replies, name="engine-replies", daemon=True).start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.info is not None and self.error is None and self._process.is_alive()
+
+    def submit(self, op: ops.Op) -> str:
+        """Queue ``op`` on the engine; returns the request id to poll.
+
+        Raises ``EngineUnavailable`` if the engine is gone: nothing would ever answer."""
+        if self.error is not None or not self._process.is_alive():
+            raise EngineUnavailable(self.error or "the engine process is not running")
+        request_id = self._futures.create(type(op))
+        self._requests.put((request_id, op))
+        return request_id
+
+    def _read_replies(self) -> None:
+        while True:
+            try:
+                request_id, status, value = self._results.get(timeout=0.5)
+            except queue.Empty:
+                if not self._process.is_alive():
+                    self._died(f"the engine process exited (code {self._process.exitcode})")
+                    return
+                continue
+            except (EOFError, OSError):
+                self._died("the engine's reply queue broke")
+                return
+            if request_id == READY:
+                if status == "ok":
+                    self.info = value
+                else:
+                    self._died(f"the engine failed to start: {value}")
+                    return
+                self.ready.set()
+                continue
+            self._futures.resolve(request_id, status, value)
+
+    def _died(self, reason: str) -> None:
+        self.error = reason
+        log.error("%s; failing every pending request", reason)
+        self.ready.set()
+        self._futures.fail_all(f"{reason}; restart the server (`rlcli serve start`)")
+        if self.on_death is not None:
+            self.on_death(reason)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._process.is_alive():
+            self._requests.put(None)
+            self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout)
+
+
+# ---- the engine process --------------------------------------------------------------------
+
+
+def engine_main(settings: dict[str, Any], requests, results) -> None:
+    """Process entry point: build the engine, then serve ``(request_id, op)`` until told to
+    stop (``None``) or the HTTP process disappears.
+
+    Replies are ``(request_id, "ok", value)`` or ``(request_id, "user"|"server", message)``;
+    the first is ``(READY, "ok", info)`` or ``(READY, "server", why)``.
+    """
+    import torch
+
+    from rlcli.server.engine import Engine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
+    torch.set_num_threads(settings.get("threads") or torch.get_num_threads())
+    try:
+        engine = Engine(
+            settings["base_model"],
+            device=settings.get("device", "auto"),
+            dtype=settings.get("dtype", "auto"),
+            max_lora_rank=settings.get("max_lora_rank", 64),
+        )
+    except Exception as e:
+        log.error("engine failed to start:\n%s", traceback.format_exc())
+        results.put((READY, "server", f"{type(e).__name__}: {e}"))
+        return
+    results.put((READY, "ok", engine.info()))
+    log.info("engine ready: %s", engine.info())
+    parent = os.getppid()
+    backlog: deque = deque()  # items read while gathering a batch, to run next, in order
+    while True:
+        item = backlog.popleft() if backlog else _next(requests, parent)
+        if item is None:  # stop, or the HTTP process is gone
+            return
+        if isinstance(item[1], ops.Sample):
+            batch = [item]
+            deadline = time.monotonic() + GATHER_WINDOW_S
+            while len(batch) < 64 and not backlog:
+                try:
+                    nxt = requests.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if nxt is None or not isinstance(nxt[1], ops.Sample):
+                    backlog.append(nxt)  # a stop or another kind: runs after this batch
+                    break
+                batch.append(nxt)
+            _run_samples(engine, batch, results)
+        else:
+            _run_one(engine, item, results)
+
+
+def _next(requests, parent: int):
+    while True:
+        try:
+            return requests.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the HTTP process died without telling us
+                return None
+
+
+def _reply(results, request_id: str, outcome: Any) -> None:
+    from rlcli.server.errors import UserError
+
+    if isinstance(outcome, UserError):
+        results.put((request_id, "user", str(outcome)))
+    elif isinstance(outcome, Exception):
+        results.put((request_id, "server", f"{type(outcome).__name__}: {outcome}"))
+    else:
+        results.put((request_id, "ok", outcome))
+
+
+def _run_samples(engine, batch, results) -> None:
+    try:
+        outputs = engine.sample([op.job for _, op in batch])
+    except Exception as e:
+        log.error("sample failed:\n%s", traceback.format_exc())
+        outputs = [e] * len(batch)
+    for (request_id, _), out in zip(batch, outputs, strict=True):
+        _reply(results, request_id, out)
+
+
+def _run_one(engine, item, results) -> None:
+    request_id, op = item
+    started = time.perf_counter()
+    try:
+        outcome = op.run(engine)
+    except Exception as e:
+        from rlcli.server.errors import UserError
+
+        if not isinstance(e, UserError):
+            log.error("%s failed:\n%s", type(op).__name__, traceback.format_exc())
+        outcome = e
+    _reply(results, request_id, outcome)
+    log.debug("%s %s took %.3fs", type(op).__name__, request_id, time.perf_counter() - started)

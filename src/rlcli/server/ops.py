@@ -1,0 +1,176 @@
+"""The closed set of operations the HTTP process sends the engine, and how each is answered.
+
+Each operation is a small typed record: ``run`` calls the engine (in the engine process),
+``answer`` turns the engine's return value into the response body ``retrieve_future`` sends
+(in the HTTP process). The queue between the two carries only these records
+(``engine_process.py``), so there is no op name string to mistype and no if-chain to extend.
+This module imports no torch: the HTTP process never loads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import Response
+
+from rlcli.server import wire
+
+if TYPE_CHECKING:
+    from rlcli.server.engine import Engine
+    from rlcli.server.sampling import SampleJob
+
+
+@dataclass
+class Op:
+    def run(self, engine: Engine) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def answer(value: Any, accept_proto: bool) -> Any:
+        return value
+
+
+@dataclass
+class CreateAdapter(Op):
+    name: str
+    rank: int
+    seed: int | None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+    def run(self, engine: Engine) -> Any:
+        return engine.create_adapter(
+            self.name, self.rank, self.seed, self.train_mlp, self.train_attn, self.train_unembed
+        )
+
+    @staticmethod
+    def answer(value: Any, accept_proto: bool) -> Any:
+        return {"type": "create_model", "model_id": value["model_id"]}
+
+
+@dataclass
+class RemoveAdapter(Op):
+    name: str
+
+    def run(self, engine: Engine) -> Any:
+        return engine.remove_adapter(self.name)
+
+    @staticmethod
+    def answer(value: Any, accept_proto: bool) -> Any:
+        return {"type": "unload_model", "model_id": value["model_id"]}
+
+
+@dataclass
+class ForwardBackward(Op):
+    model_id: str
+    data: list[wire.DatumArrays]
+    loss_fn: str
+    loss_fn_config: dict[str, float]
+    forward_only: bool
+
+    def run(self, engine: Engine) -> Any:
+        return engine.forward_backward(
+            self.model_id, self.data, self.loss_fn, self.loss_fn_config, self.forward_only
+        )
+
+    @staticmethod
+    def answer(value: Any, accept_proto: bool) -> Any:
+        outputs, metrics = value
+        if accept_proto:
+            body = wire.encode_forward_backward_output(outputs, metrics)
+            return Response(body, media_type=wire.PROTO_CONTENT_TYPE)
+        return wire.forward_backward_output_json(outputs, metrics)
+
+
+@dataclass
+class OptimStep(Op):
+    model_id: str
+    adam: dict[str, float]
+
+    def run(self, engine: Engine) -> Any:
+        return engine.optim_step(self.model_id, **self.adam)
+
+    @staticmethod
+    def answer(value: Any, accept_proto: bool) -> Any:
+        return {"metrics": value}
+
+
+@dataclass
+class SaveState(Op):
+    model_id: str
+    directory: str
+    meta: dict[str, Any]
+
+    def run(self, engine: Engine) -> Any:
+        return engine.save_state(self.model_id, self.directory, self.meta)
+
+    @staticmethod
+    def answer(value: Any, accept_proto: bool) -> Any:
+        return {"type": "save_weights", "path": value["path"]}
+
+
+@dataclass
+class LoadState(Op):
+    model_id: str
+    directory: str
+    optimizer: bool
+    path: str
+
+    def run(self, engine: Engine) -> Any:
+        return engine.load_state(self.model_id, self.directory, self.optimizer, self.path)
+
+    @staticmethod
+    def answer(value: Any, accept_proto: bool) -> Any:
+        return {"type": "load_weights", "path": value["path"], "model_id": value["model_id"]}
+
+
+@dataclass
+class SnapshotSampler(Op):
+    """Freeze the adapter's weights under sampler ``key``; saved to ``directory`` if named."""
+
+    model_id: str
+    key: str
+    directory: str | None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, engine: Engine) -> Any:
+        return engine.snapshot_sampler(self.model_id, self.key, self.directory, self.meta)
+
+    @staticmethod
+    def answer(value: Any, accept_proto: bool) -> Any:
+        if value["path"]:
+            return {"type": "save_weights_for_sampler", "path": value["path"]}
+        session_id = value["key"].removeprefix("ephemeral:")  # unnamed: a sampling session
+        return {"type": "save_weights_for_sampler", "path": None, "sampling_session_id": session_id}
+
+
+@dataclass
+class ForgetSampler(Op):
+    """A checkpoint was deleted: drop its cached sampler weights."""
+
+    key: str
+
+    def run(self, engine: Engine) -> Any:
+        engine.samplers.forget(self.key)
+        return {}
+
+
+@dataclass
+class Sample(Op):
+    """One ``asample`` request. The engine batches consecutive ones (``engine_process.py``)."""
+
+    job: SampleJob
+
+    def run(self, engine: Engine) -> Any:
+        (out,) = engine.sample([self.job])
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    @staticmethod
+    def answer(value: Any, accept_proto: bool) -> Any:
+        if accept_proto:
+            return Response(wire.encode_sample_response(value), media_type=wire.PROTO_CONTENT_TYPE)
+        return wire.sample_response_json(value)

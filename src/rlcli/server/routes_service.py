@@ -1,0 +1,120 @@
+"""Routes of the service itself: health, status, the client handshake, sessions, capabilities,
+and ``retrieve_future``, the one place a queued operation's result is answered."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from rlcli import compat
+from rlcli.server import losses, wire
+from rlcli.server.schemas import CreateSession, RetrieveFuture, SessionRef
+from rlcli.server.state import SessionRecord, State
+
+POLL_SECONDS = 35.0  # long-poll window of retrieve_future; the client waits up to 45 s
+
+public = APIRouter()  # no API key: probes and `rlcli serve status` carry none
+router = APIRouter(prefix="/api/v1")
+
+
+@public.get("/api/v1/healthz")
+async def healthz(state: State):
+    if not state.engine.healthy:
+        reason = state.engine.error or "loading the base model"
+        return JSONResponse({"status": "unavailable", "detail": reason}, 503)
+    return {"status": "ok"}
+
+
+@public.get("/rlcli/status")
+async def status(state: State):
+    """What ``rlcli serve status`` shows: one JSON document, no side effects."""
+    return {
+        "healthy": state.engine.healthy,
+        "error": state.engine.error,
+        "base_model": state.settings.base_model,
+        "backend": "torch",
+        "uptime_s": round(time.time() - state.started, 1),
+        "engine": state.engine.info,
+        "sessions": len(state.sessions),
+        "models": len(state.models),
+        "sampling_sessions": len(state.sampling_sessions),
+        "pending_requests": state.futures.pending_count,
+        "versions": compat.installed_versions(),
+    }
+
+
+@router.post("/client/config")
+async def client_config():
+    return compat.CLIENT_CONFIG
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config():
+    return {"refresh_interval_sec": 300}
+
+
+@router.post("/telemetry")
+async def telemetry():
+    return {"status": "accepted"}
+
+
+@router.post("/create_session")
+async def create_session(body: CreateSession, state: State):
+    session_id = str(uuid.uuid4())
+    state.sessions[session_id] = SessionRecord(session_id, list(body.tags), body.sdk_version)
+    return {"type": "create_session", "session_id": session_id}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(body: SessionRef, state: State):
+    state.session(body.session_id).last_heartbeat = time.time()
+    return {"type": "session_heartbeat"}
+
+
+@router.get("/get_server_capabilities")
+async def get_server_capabilities(state: State):
+    info = state.engine.info or {}
+    return {
+        "supported_models": [
+            {"model_name": state.settings.base_model, "max_context_length": info.get("max_context")}
+        ],
+        # Not part of the 0.25.0 schema (the client ignores them): let rlcli's checks ask this
+        # server what it computes and accepts instead of probing.
+        "supported_loss_fns": sorted(losses.LOSSES),
+        "loss_fn_config": losses.config_defaults(),
+        "max_lora_rank": state.settings.max_lora_rank,
+        "max_sample_tokens": state.settings.max_sample_tokens,
+        "backend": "torch",
+    }
+
+
+@router.get("/sessions")
+async def list_sessions(state: State):
+    return {"sessions": list(state.sessions)}
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, state: State):
+    state.session(session_id)
+    runs = [m.model_id for m in state.models.values() if m.session_id == session_id]
+    samplers = [s for s, ref in state.sampling_sessions.items() if ref.session_id == session_id]
+    return {"training_run_ids": runs, "sampler_ids": samplers}
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(body: RetrieveFuture, request: Request, state: State):
+    if not state.futures.known(body.request_id):
+        raise HTTPException(404, f"request_id: unknown request {body.request_id!r}")
+    outcome = await state.futures.wait(body.request_id, POLL_SECONDS)
+    if outcome is None:
+        return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+    if outcome.status != "ok":
+        return {"error": outcome.value, "category": outcome.status}
+    accept_proto = wire.PROTO_CONTENT_TYPE in request.headers.get("accept", "")
+    try:
+        return outcome.op.answer(outcome.value, accept_proto)
+    except Exception as e:  # an answer that cannot be encoded must still be an answer
+        return {"error": f"the result could not be encoded: {e}", "category": "server"}

@@ -1,0 +1,118 @@
+"""Training routes: create and unload training clients (LoRA adapters), ``forward_backward``
+(protobuf) and ``optim_step``. Each validates, records and queues a typed operation."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, HTTPException, Request
+
+from rlcli.server import checkpoints, ops, wire
+from rlcli.server.schemas import CreateModel, LoraConfig, ModelRef, OptimStep
+from rlcli.server.state import ModelRecord, State
+from rlcli.server.validate import RequestError, validate_forward_backward
+
+router = APIRouter(prefix="/api/v1")
+
+MAX_BODY_BYTES = 1 << 30  # a forward_backward body larger than this is refused (413)
+
+
+@router.post("/create_model")
+async def create_model(body: CreateModel, state: State):
+    info = state.engine_info()
+    state.session(body.session_id)
+    state.check_base_model(body.base_model)
+    lora = body.lora_config or LoraConfig()
+    if lora.rank > info["max_lora_rank"]:
+        raise HTTPException(
+            400,
+            f"lora_config.rank: {lora.rank} is outside 1..{info['max_lora_rank']} "
+            "(raise it with `rlcli serve start --max-lora-rank N`)",
+        )
+    if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
+        raise HTTPException(400, "lora_config: train_mlp, train_attn and train_unembed are all off")
+    model_id = str(uuid.uuid4())
+    record = ModelRecord(
+        model_id,
+        body.session_id,
+        state.settings.base_model,
+        lora.model_dump(),
+        dict(body.user_metadata or {}),
+    )
+    checkpoints.write_run(
+        state.checkpoints_root,
+        model_id,
+        {
+            "training_run_id": model_id,
+            "base_model": record.base_model,
+            "lora": record.lora,
+            "session_id": body.session_id,
+            "user_metadata": record.user_metadata,
+            "created": record.created,
+        },
+    )
+    future = state.submit(
+        ops.CreateAdapter(
+            model_id, lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed
+        ),
+        model_id,
+    )
+    state.models[model_id] = record
+    return future
+
+
+@router.post("/get_info")
+async def get_info(body: ModelRef, state: State):
+    record = state.model(body.model_id)
+    return {
+        "type": "get_info",
+        "model_id": record.model_id,
+        "model_data": {
+            "arch": "lora",
+            "model_name": record.base_model,
+            # A local folder path is a tokenizer id AutoTokenizer loads offline.
+            "tokenizer_id": record.base_model,
+        },
+        "is_lora": True,
+        "lora_rank": record.lora.get("rank"),
+        "model_name": record.base_model,
+    }
+
+
+@router.post("/unload_model")
+async def unload_model(body: ModelRef, state: State):
+    state.model(body.model_id)
+    future = state.submit(ops.RemoveAdapter(body.model_id), body.model_id)
+    del state.models[body.model_id]
+    return future
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, state: State):
+    info = state.engine_info()
+    if wire.PROTO_CONTENT_TYPE not in request.headers.get("content-type", ""):
+        raise HTTPException(
+            415, f"forward_backward takes a {wire.PROTO_CONTENT_TYPE} body (tinker>=0.25)"
+        )
+    body = await request.body()
+    try:
+        body = wire.decompress(body, request.headers.get("content-encoding", ""), MAX_BODY_BYTES)
+        req = wire.decode_forward_backward(body)
+    except wire.WireError as e:
+        raise HTTPException(400, str(e)) from None
+    state.model(req.model_id)
+    try:
+        validate_forward_backward(req, info["vocab_size"], info["max_context"])
+    except RequestError as e:
+        raise HTTPException(400, str(e)) from None
+    op = ops.ForwardBackward(
+        req.model_id, req.data, req.loss_fn, req.loss_fn_config, req.forward_only
+    )
+    return state.submit(op, req.model_id)
+
+
+@router.post("/optim_step")
+async def optim_step(body: OptimStep, state: State):
+    state.engine_info()
+    state.model(body.model_id)
+    return state.submit(ops.OptimStep(body.model_id, body.adam_params.model_dump()), body.model_id)

@@ -1,0 +1,143 @@
+"""Request bodies, typed at the boundary: no handler ever sees an unchecked value.
+
+One pydantic model per JSON body of the pinned tinker 0.25.0 client (its own request types, read
+from ``tinker/types``). Strict types (``"abc"`` is not a number, ``1.5`` is not a count), no NaN
+or infinity, bounded integers; fields the client may add later are ignored. A body that fails
+answers 400 naming the field (``app.py``). ``forward_backward`` is protobuf (``wire.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Every integer on the wire fits in an int64; seeds are uint64 in the protobuf schema.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Seed = Annotated[int, Field(ge=0, le=2**64 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(
+        strict=True, allow_inf_nan=False, extra="ignore", protected_namespaces=()
+    )
+
+
+class CreateSession(Body):
+    tags: list[str] = []
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str = ""
+
+
+class SessionRef(Body):
+    session_id: str
+
+
+class LoraConfig(Body):
+    rank: Annotated[int, Field(ge=1, le=2**20)] = 32
+    seed: Seed | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModel(Body):
+    session_id: str
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfig | None = None
+
+
+class ModelRef(Body):
+    model_id: str
+
+
+class AdamParams(Body):
+    """Tinker's ``AdamParams`` and defaults; ranges where AdamW is defined."""
+
+    learning_rate: Annotated[float, Field(ge=0)] = 1e-4
+    beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Field(ge=0, lt=1)] = 0.95
+    eps: Annotated[float, Field(gt=0)] = 1e-12
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    grad_clip_norm: Annotated[float, Field(ge=0)] = 0.0
+
+
+class OptimStep(Body):
+    model_id: str
+    adam_params: AdamParams = AdamParams()
+
+
+class SaveWeights(Body):
+    model_id: str
+    path: str | None = None
+    ttl_seconds: Annotated[int, Field(ge=1, le=100 * 365 * 86400)] | None = None
+
+
+class LoadWeights(Body):
+    model_id: str
+    path: str
+    optimizer: bool = False
+
+
+class WeightsInfo(Body):
+    tinker_path: str
+
+
+class CreateSamplingSession(Body):
+    session_id: str
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class TextChunk(Body):
+    type: str = "encoded_text"
+    tokens: list[TokenId]
+
+
+class ModelInput(Body):
+    chunks: list[TextChunk]
+
+
+class SamplingParams(Body):
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | list[TokenId] | None = None
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] = -1
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+
+
+class Sample(Body):
+    prompt: ModelInput
+    sampling_params: SamplingParams = SamplingParams()
+    num_samples: Annotated[int, Field(ge=1, le=128)] = 1
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: Annotated[int, Field(ge=0, le=1024)] = 0
+
+
+class RetrieveFuture(Body):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class SetTtl(Body):
+    ttl_seconds: Annotated[int, Field(ge=1, le=100 * 365 * 86400)] | None = None
+
+
+def first_error(errors: list[dict]) -> str:
+    """``field.path: message`` for the first pydantic error (``body`` dropped from the path)."""
+    if not errors:
+        return "body: invalid"
+    error = errors[0]
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    where = ".".join(loc) or "body"
+    if error.get("type") == "json_invalid":
+        return "body: not valid JSON"
+    value = error.get("input")
+    shown = f" (got {value!r:.60})" if loc and not isinstance(value, dict | list) else ""
+    return f"{where}: {error.get('msg', 'invalid')}{shown}"

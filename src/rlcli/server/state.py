@@ -1,0 +1,185 @@
+"""The server's settings and state: one object the routers read from ``request.app.state``.
+
+``ServerState`` holds what the HTTP process knows (sessions, training clients, sampling sessions,
+the futures, the handle on the engine) and the lookups that answer 404 for unknown ids, so the
+routers stay declarative. It imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, HTTPException, Request
+
+from rlcli.home import rlcli_home
+from rlcli.server import checkpoints, ops
+from rlcli.server.engine_process import EngineClient, EngineUnavailable
+from rlcli.server.futures import FutureStore
+
+log = logging.getLogger("rlcli.server")
+
+MAX_SAMPLING_SESSIONS = 4096  # oldest dropped beyond this (each is a few hundred bytes)
+
+
+@dataclass
+class Settings:
+    base_model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    max_lora_rank: int = 64
+    checkpoints_dir: str = ""
+    api_key: str | None = None
+    threads: int | None = None
+    session_timeout: float = 300.0  # no heartbeat for this long: the session's adapters go
+    max_sample_tokens: int = 16384  # the most tokens one sample request may ask for
+
+    def engine_settings(self) -> dict[str, Any]:
+        return {
+            "base_model": self.base_model,
+            "device": self.device,
+            "dtype": self.dtype,
+            "max_lora_rank": self.max_lora_rank,
+            "threads": self.threads,
+        }
+
+
+@dataclass
+class ModelRecord:
+    model_id: str
+    session_id: str
+    base_model: str
+    lora: dict[str, Any]
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    last_request: float = field(default_factory=time.time)
+
+
+@dataclass
+class SessionRecord:
+    session_id: str
+    tags: list[str]
+    sdk_version: str
+    created: float = field(default_factory=time.time)
+    last_heartbeat: float = field(default_factory=time.time)
+
+
+@dataclass
+class SamplerRef:
+    """What a sampling session samples from: the engine's sampler key (None: base model)."""
+
+    key: str | None
+    base_model: str
+    session_id: str | None
+    model_path: str | None = None
+
+
+class ServerState:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.started = time.time()
+        self.futures = FutureStore()
+        self.engine = EngineClient(settings.engine_settings(), self.futures)
+        self.sessions: dict[str, SessionRecord] = {}
+        self.models: dict[str, ModelRecord] = {}
+        self.sampling_sessions: OrderedDict[str, SamplerRef] = OrderedDict()
+        self.archives: dict[str, tuple[Path, float]] = {}  # download token -> (name, expiry)
+        self.checkpoints_root = Path(settings.checkpoints_dir or rlcli_home() / "checkpoints")
+        self.checkpoints_root.mkdir(parents=True, exist_ok=True)
+
+    def submit(self, op: ops.Op, model_id: str | None = None) -> dict[str, Any]:
+        """Queue ``op`` on the engine; the future the client polls (503 if the engine is gone)."""
+        try:
+            request_id = self.engine.submit(op)
+        except EngineUnavailable as e:
+            raise engine_gone(str(e)) from None
+        return {"request_id": request_id, "model_id": model_id}
+
+    def engine_info(self) -> dict[str, Any]:
+        """The loaded model's facts; 503 while it is still loading (the client retries 5xx)."""
+        if self.engine.error:
+            raise engine_gone(self.engine.error)
+        if self.engine.info is None:
+            raise HTTPException(503, "the base model is still loading; retry shortly")
+        return self.engine.info
+
+    def model(self, model_id: str) -> ModelRecord:
+        record = self.models.get(model_id)
+        if record is None:
+            raise HTTPException(404, f"model_id: unknown model {model_id!r}")
+        record.last_request = time.time()
+        return record
+
+    def session(self, session_id: str) -> SessionRecord:
+        record = self.sessions.get(session_id)
+        if record is None:
+            raise HTTPException(404, f"session_id: unknown session {session_id!r}")
+        return record
+
+    def add_sampling_session(self, session_id: str, ref: SamplerRef) -> None:
+        self.sampling_sessions[session_id] = ref
+        while len(self.sampling_sessions) > MAX_SAMPLING_SESSIONS:
+            self.sampling_sessions.popitem(last=False)
+
+    def accepts_base_model(self, name: str) -> bool:
+        from rlcli.models import resolve_model_name
+
+        return name == self.settings.base_model or resolve_model_name(name) == (
+            self.settings.base_model
+        )
+
+    def check_base_model(self, name: str | None) -> None:
+        if not name or not self.accepts_base_model(name):
+            raise HTTPException(
+                400,
+                f"base_model: {name!r} is not served here; this server serves "
+                f"{self.settings.base_model!r}",
+            )
+
+    def expire_sessions(self) -> None:
+        """Drop sessions silent for longer than the timeout, with their training clients
+        (adapters freed in the engine) and sampling sessions."""
+        now = time.time()
+        for session in list(self.sessions.values()):
+            if now - session.last_heartbeat <= self.settings.session_timeout:
+                continue
+            del self.sessions[session.session_id]
+            for record in list(self.models.values()):
+                if record.session_id == session.session_id:
+                    del self.models[record.model_id]
+                    if self.engine.healthy:
+                        self.engine.submit(ops.RemoveAdapter(record.model_id))
+            for sampler_id, ref in list(self.sampling_sessions.items()):
+                if ref.session_id == session.session_id:
+                    del self.sampling_sessions[sampler_id]
+            log.info("session %s expired: no heartbeat", session.session_id)
+
+
+def engine_gone(reason: str) -> HTTPException:
+    """503 that tells the SDK not to retry: nothing will answer until the server restarts."""
+    return HTTPException(503, f"engine unavailable: {reason}", headers={"x-should-retry": "false"})
+
+
+async def housekeeping(state: ServerState, every_s: float | None = None) -> None:
+    """Expire silent sessions, and sweep expired or superseded checkpoints, forever."""
+    timeout = state.settings.session_timeout
+    period = every_s or max(0.5, min(15.0, timeout / 4))
+    last_sweep = 0.0
+    while True:
+        await asyncio.sleep(period)
+        state.expire_sessions()
+        if time.monotonic() - last_sweep > 30:
+            last_sweep = time.monotonic()
+            await asyncio.to_thread(checkpoints.sweep, state.checkpoints_root)
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.rlcli
+
+
+State = Annotated[ServerState, Depends(server_state)]
