@@ -28,26 +28,41 @@ def _all_finite(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+def _norm(tensors) -> float:
+    """The global L2 norm as ``clip_grad_norm_`` computes it (inf if it overflows)."""
+    if not tensors:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([t.norm() for t in tensors])))
+
+
 @contextlib.contextmanager
 def staged_gradients(params: list[torch.nn.Parameter]):
     """Backward passes inside the block write into fresh gradient buffers; on a clean exit
-    they are added to what the adapter had accumulated, but only if every value is finite.
-    On any error (or non-finite gradient) the adapter's gradients are left as they were."""
+    they are added to what the adapter had accumulated, but only if the sum is finite and
+    so is its norm (an optimizer step could not use it otherwise). On any error the
+    adapter's gradients are left exactly as they were."""
     saved = [p.grad for p in params]
     for p in params:
         p.grad = None
     try:
         yield
-        fresh = [p.grad for p in params if p.grad is not None]
-        if not _all_finite(fresh):
+        merged = []
+        for p, grad in zip(params, saved, strict=True):
+            if grad is not None:
+                merged.append(grad if p.grad is None else p.grad + grad)
+            elif p.grad is not None:
+                merged.append(p.grad)
+            else:
+                merged.append(None)
+        present = [g for g in merged if g is not None]
+        if not _all_finite(present) or not math.isfinite(_norm(present)):
             raise UserError(f"the gradient is not finite; nothing was applied: {HINT}")
     except BaseException:
         for p, grad in zip(params, saved, strict=True):
             p.grad = grad
         raise
-    for p, grad in zip(params, saved, strict=True):
-        if grad is not None:
-            p.grad = grad if p.grad is None else p.grad.add_(grad)
+    for p, grad in zip(params, merged, strict=True):
+        p.grad = grad
 
 
 def guarded_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
@@ -58,9 +73,13 @@ def guarded_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimi
         for p in params
         if p in optimizer.state
     }
-    optimizer.step()
+    try:
+        optimizer.step()
+        failure = None
+    except RuntimeError as e:  # e.g. "value cannot be converted to type float without overflow"
+        failure = e
     moments = [v for p in params for v in optimizer.state[p].values() if torch.is_tensor(v)]
-    if _all_finite(params) and _all_finite(moments):
+    if failure is None and _all_finite(params) and _all_finite(moments):
         return
     with torch.no_grad():
         for p, old in zip(params, before, strict=True):
@@ -70,7 +89,5 @@ def guarded_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimi
             optimizer.state[p] = state_before[id(p)]
         else:
             optimizer.state.pop(p, None)
-    raise UserError(
-        "this optim_step would make the adapter's weights or optimizer state non-finite "
-        "(learning_rate too large?); it was undone"
-    )
+    why = f"failed ({failure})" if failure else "would make the weights or moments non-finite"
+    raise UserError(f"this optim_step {why} (learning_rate too large?); it was undone")
