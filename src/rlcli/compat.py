@@ -108,18 +108,29 @@ def gsm8k_dataset(rows: list[dict], batch_size: int, group_size: int, renderer, 
 SL_SAVE_RECORDS_BATCH_BEFORE_ITS_STEP = True
 
 
-def install_run_hooks(report) -> None:
+def install_run_hooks(report, seed: int = 0) -> None:
     """Patch the pinned cookbook, in the recipe's child process only, so that ``train sl``
-    resumes exactly and the recipes say what they are doing. ``report(phase, **fields)``
+    resumes exactly, a run's LoRA initialisation follows its ``seed`` (the recipes ask for a
+    random one), and the recipes say what they are doing. ``report(phase, **fields)``
     receives: ``saving checkpoint`` (step), ``saving final checkpoint``, ``sampling rollouts``
     (step, done, total), ``recipe finished``."""
     import chz
+    import tinker
     from tinker_cookbook import checkpoint_utils
     from tinker_cookbook.rl import train as rl_train
     from tinker_cookbook.supervised import train as sl_train
 
     manager = checkpoint_utils.CheckpointManager
     state = {"sl": False}
+
+    original_create = tinker.ServiceClient.create_lora_training_client_async
+
+    async def create_lora_training_client_async(self, *args, **kwargs):
+        if kwargs.get("seed") is None and len(args) < 3:  # (base_model, rank, seed, ...)
+            kwargs["seed"] = seed
+        return await original_create(self, *args, **kwargs)
+
+    tinker.ServiceClient.create_lora_training_client_async = create_lora_training_client_async
 
     original_sl_main = sl_train.main
 

@@ -76,7 +76,7 @@ def _run(folder: Path) -> int:
     def report(phase: str, **fields) -> None:
         status(after if phase == "recipe finished" else phase, **fields)
 
-    compat.install_run_hooks(report)
+    compat.install_run_hooks(report, seed=int((spec.get("options") or {}).get("seed") or 0))
     if spec["recipe"] == "sl":
         from rlcli.recipes import sl
 
