@@ -54,6 +54,7 @@ class EngineClient:
         self.info: dict[str, Any] | None = None  # set once the model is loaded
         self.error: str | None = None  # set if the engine failed to start or died
         self.ready = threading.Event()
+        self._stopping = False  # a stop we asked for is not a death
         self._process = ctx.Process(
             target=engine_main,
             args=(settings, self._requests, self._results),
@@ -84,6 +85,8 @@ class EngineClient:
             try:
                 request_id, status, value = self._results.get(timeout=0.5)
             except queue.Empty:
+                if self._stopping:
+                    return
                 if not self._process.is_alive():
                     self._died(f"the engine process exited (code {self._process.exitcode})")
                     return
@@ -110,6 +113,7 @@ class EngineClient:
             self.on_death(reason)
 
     def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
         if self._process.is_alive():
             self._requests.put(None)
             self._process.join(timeout)
