@@ -123,6 +123,117 @@ def test_offline_without_a_gsm8k_folder_names_the_flag(tmp_path, server, tiny_mo
     assert "Traceback" not in result.stderr
 
 
+@pytest.fixture
+def gsm8k20(tmp_path) -> Path:
+    """A 20-problem GSM8K folder (5 test problems)."""
+    folder = tmp_path / "gsm8k20"
+    folder.mkdir()
+    for split, rows in (("train", 20), ("test", 5)):
+        lines = (GSM8K / f"{split}.jsonl").read_text().splitlines()[:rows]
+        (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+@needs_gsm8k
+def test_dry_run_counts_the_rows_that_are_there(tiny_model, gsm8k20):
+    result = run(
+        "train", "rl", "--model", str(tiny_model), "--base-url", DEAD_URL, "--dry-run", "--json",
+        "--gsm8k-dir", str(gsm8k20), "--batch-size", "8", "--eval-every", "1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["train_problems"] == 20 and plan["steps"] == 3  # 8 + 8 + 4
+    assert plan["test_problems"] == 5 and plan["rollouts_per_step"] == 64
+    assert plan["options"]["gsm8k_dir"] == str(gsm8k20.resolve())
+
+
+@needs_gsm8k
+def test_renderer_and_loss_config_json_are_checked_in_a_dry_run(tiny_model):
+    base = ("train", "rl", "--model", str(tiny_model), "--gsm8k-dir", str(GSM8K), "--dry-run")
+    result = run(*base, "--renderer", "nope")
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert "--renderer nope: not a renderer the cookbook knows" in result.stderr
+    result = run(*base, "--loss-config", '{"clip_low_threshold": "low"}')
+    assert result.returncode == 1 and "expected a JSON object of numbers" in result.stderr
+
+
+@needs_gsm8k
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ('{"beta": 1}', "'beta'"),  # a key ppo does not take (the --help example of old)
+        ('{"clip_low_threshold": 5}', "refused by the server (400)"),  # above clip_high 1.2
+    ],
+)
+def test_loss_config_is_refused_before_any_rollout(tmp_path, server, tiny_model, config, expected):
+    run_dir = tmp_path / "run"
+    result = run(*small(server, tiny_model, run_dir, "--loss", "ppo", "--loss-config", config))
+    assert result.returncode == 1
+    assert expected in result.stderr and "Traceback" not in result.stderr
+    assert not run_dir.exists()  # no run folder, no rollout
+
+
+def rollout_fingerprint(run_dir: Path) -> tuple[list[float], list[int]]:
+    """(the sampled tokens' entropy per step, the prompts' lengths in data order)."""
+    entropy = [json.loads(line)["optim/entropy"] for line in (run_dir / "metrics.jsonl").open()]
+    summaries = run_dir / "iteration_000000" / "train_rollout_summaries.jsonl"
+    lengths = [json.loads(line)["steps"][0]["ob_len"] for line in summaries.open()]
+    return entropy, lengths
+
+
+@needs_gsm8k
+def test_seed_makes_data_order_and_sampling_reproducible(tmp_path, server, tiny_model):
+    seen = {}
+    for name, seed in (("a", "3"), ("b", "3"), ("c", "4")):
+        result = run(
+            *small(server, tiny_model, tmp_path / name, "--max-steps", "1", "--seed", seed)
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        seen[name] = rollout_fingerprint(tmp_path / name)
+    assert seen["a"] == seen["b"]
+    assert seen["a"][0] != seen["c"][0] and seen["a"][1] != seen["c"][1]
+
+
+@needs_gsm8k
+def test_sft_checkpoint_kl_penalty_and_temperature_reach_the_recipe(tmp_path, server, tiny_model):
+    examples = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
+    sft = run(
+        "train", "sl", "--dataset", str(examples / "conversations.jsonl"),
+        "--model", str(tiny_model), "--base-url", server.base_url, "--batch-size", "8",
+        "--max-steps", "1", "--log-path", str(tmp_path / "sft"), "--json",
+    )  # fmt: skip
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    state = json.loads(sft.stdout)["state_path"]
+    run_dir = tmp_path / "rl"
+    result = run(
+        *small(server, tiny_model, run_dir, "--max-steps", "1", "--init-checkpoint", state),
+        "--kl-penalty-coef", "0.1", "--temperature", "0.7",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    cookbook = json.loads((run_dir / "config.json").read_text())  # the recipe's own record
+    assert cookbook["load_checkpoint_path"] == state
+    assert cookbook["kl_penalty_coef"] == 0.1 and cookbook["temperature"] == 0.7
+    assert cookbook["kl_reference_config"]["base_model"] == str(tiny_model)
+    assert f"Loaded weights from {state}" in (run_dir / "console.log").read_text()
+    assert "kl_policy_base" in json.loads((run_dir / "metrics.jsonl").read_text())
+    result = run(*small(server, tiny_model, tmp_path / "x", "--init-checkpoint", "weights/final"))
+    assert result.returncode == 1 and "expected a tinker:// path" in result.stderr
+
+
+@needs_gsm8k
+def test_checkpoint_and_max_tokens_are_checked_before_the_run_folder(tmp_path, server, tiny_model):
+    run_dir = tmp_path / "run"
+    missing = "tinker://no-such-run/weights/final"
+    result = run(*small(server, tiny_model, run_dir, "--init-checkpoint", missing))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"--init-checkpoint {missing}: the server at {server.base_url} has no training run" in (
+        result.stderr
+    )
+    result = run(*small(server, tiny_model, run_dir, "--max-tokens", "100000"))
+    assert result.returncode == 1 and "--max-tokens 100000: the server at" in result.stderr
+    assert not run_dir.exists()
+
+
 # ---- learning -------------------------------------------------------------------------------
 # A reward a tiny policy can raise quickly: the share of sampled tokens from the lower half of
 # the vocabulary (about 0.5 for the untrained model). Rising reward means the server's fused

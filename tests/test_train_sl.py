@@ -8,6 +8,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -93,8 +94,8 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, server, tiny
         time.sleep(0.2)
     first.send_signal(signal.SIGINT)
     _, err = first.communicate(timeout=120)
-    assert first.returncode == 1
-    assert "stopped. Resume from the last checkpoint with:" in err and str(run_dir) in err
+    assert first.returncode == 130
+    assert "Resume with:" in err and f"--config {run_dir}/config.yaml --log-path {run_dir}" in err
     done_before = len(metrics.read_text().splitlines())
     assert 8 <= done_before < 64
 
@@ -165,7 +166,7 @@ def test_bad_flags_are_refused(tmp_path, tiny_model, chat_file):
     assert result.returncode == 2 and "No such option" in result.stderr
 
 
-def test_an_error_inside_the_recipe_is_one_line(tmp_path, tiny_model, chat_file):
+def test_a_wrong_api_key_is_one_line_before_the_run_folder(tmp_path, tiny_model, chat_file):
     from conftest import start_server
     from rlcli.backends import process
 
@@ -193,6 +194,128 @@ def test_an_error_inside_the_recipe_is_one_line(tmp_path, tiny_model, chat_file)
         process.stop(tmp_path / "srv")
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: the run failed with AuthenticationError")
-    assert "X-API-Key" in last and "console.log" in last
-    assert "Traceback" not in result.stderr
+    assert last.startswith(f"error: the server at {record.base_url} refused the API key")
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+# ---- options, config files, checks before the run folder --------------------------------------
+
+
+def metric(run_dir: Path, key: str) -> list[float]:
+    return [json.loads(line)[key] for line in (run_dir / "metrics.jsonl").open()]
+
+
+def test_config_yaml_reproduces_the_run(tmp_path, server, tiny_model, chat_file):
+    first, again = tmp_path / "first", tmp_path / "again"
+    result = run(
+        "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+        "--base-url", server.base_url, "--log-path", str(first), "--batch-size", "4",
+        "--learning-rate", "2e-3", "--lora-rank", "8", "--max-steps", "3", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = (first / "config.yaml").read_text()
+    assert "lr: 0.002" in config and "lora_rank: 8" in config and "max_steps: 3" in config
+    assert (first / "config.json").exists()  # the cookbook's own record, untouched
+    result = run("train", "sl", "--config", str(first / "config.yaml"), "--log-path", str(again))
+    assert result.returncode == 0, result.stderr[-3000:]
+    body = [ln for ln in config.splitlines() if not ln.startswith("#")]
+    assert [
+        ln for ln in (again / "config.yaml").read_text().splitlines() if not ln.startswith("#")
+    ] == body
+    assert metric(again, "train_mean_nll") == pytest.approx(
+        metric(first, "train_mean_nll"), rel=1e-4
+    )
+
+
+def test_missing_model_folder_and_bad_renderer_stop_before_the_run_folder(tmp_path, chat_file):
+    base = ("train", "sl", "--dataset", str(chat_file), "--base-url", DEAD_URL)
+    result = run(*base, "--model", str(tmp_path / "no-model"), "--log-path", str(tmp_path / "r"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"error: --model {tmp_path / 'no-model'}: no such folder"
+    result = run(*base, "--model", "./tiny", "--renderer", "nope", "--log-path", str(tmp_path))
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert "--model ./tiny: no such folder" in result.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_bad_renderer_is_one_line(tmp_path, tiny_model, chat_file):
+    result = run(
+        "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+        "--base-url", DEAD_URL, "--renderer", "nope", "--log-path", str(tmp_path / "r"),
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.strip().startswith(
+        "error: --renderer nope: not a renderer the cookbook knows; known: role_colon"
+    )
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_server_refusals_come_before_the_run_folder(tmp_path, server, tiny_model, chat_file):
+    import httpx
+
+    other = tmp_path / "other-model"
+    other.mkdir()
+    (other / "config.json").write_text((tiny_model / "config.json").read_text())
+    base = ("train", "sl", "--dataset", str(chat_file), "--base-url", server.base_url)
+    result = run(*base, "--model", str(other), "--log-path", str(tmp_path / "r"))
+    assert result.returncode == 1, result.stderr
+    assert f"--model {other}: the server at {server.base_url} serves {tiny_model}" in (
+        result.stderr
+    )
+    assert not (tmp_path / "r").exists()
+    caps = httpx.get(f"{server.base_url}/api/v1/get_server_capabilities").json()
+    if "max_lora_rank" not in caps:
+        pytest.skip("this server does not publish max_lora_rank")
+    too_big = str(caps["max_lora_rank"] + 1)
+    model = ("--model", str(tiny_model))
+    result = run(*base, *model, "--lora-rank", too_big, "--log-path", str(other))
+    assert result.returncode == 1
+    assert f"--lora-rank {too_big}: the server at {server.base_url} allows at most" in (
+        result.stderr
+    )
+    assert not (other / "config.yaml").exists()
+
+
+def test_wandb_offline_run_keeps_metrics_jsonl(tmp_path, server, tiny_model, chat_file):
+    pytest.importorskip("wandb")
+    run_dir = tmp_path / "run"
+    env = {"WANDB_MODE": "offline", "WANDB_API_KEY": "", "WANDB_DIR": str(tmp_path)}
+    result = run(
+        "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+        "--base-url", server.base_url, "--log-path", str(run_dir), "--batch-size", "8",
+        "--max-steps", "2", "--wandb-project", "rlcli-test", "--wandb-name", "offline-sl",
+        env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(metric(run_dir, "train_mean_nll")) == 2
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), list(run_dir.iterdir())
+
+
+def test_wandb_flag_without_a_key_online_is_one_line(tmp_path, tiny_model, chat_file):
+    pytest.importorskip("wandb")
+    result = run(
+        "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+        "--base-url", DEAD_URL, "--wandb-project", "p", "--log-path", str(tmp_path / "r"),
+        env={"WANDB_MODE": "", "WANDB_API_KEY": ""},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "--wandb-project: set WANDB_API_KEY" in result.stderr
+
+
+def test_wandb_flag_without_the_package_names_the_extra(tiny_model, chat_file):
+    # The CLI as a user without wandb sees it: the package cannot be found.
+    code = (
+        "import sys, importlib.util; real = importlib.util.find_spec;"
+        "importlib.util.find_spec = lambda n, *a: None if n == 'wandb' else real(n, *a);"
+        "from rlcli.cli.main import main; sys.argv = ['rlcli'] + sys.argv[1:]; main()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "train", "sl", "--dataset", str(chat_file),
+         "--model", str(tiny_model), "--wandb-project", "p", "--dry-run"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "error: --wandb-project/--wandb-name need the wandb package: pip install 'rlcli[wandb]'"
+    )

@@ -91,6 +91,36 @@ class Server:
                 "(rlcli serve start --max-lora-rank)"
             )
 
+    def check_max_tokens(self, max_tokens: int) -> None:
+        top = self.caps.get("max_sample_tokens")
+        if isinstance(top, int) and max_tokens > top:
+            raise RlcliError(
+                f"--max-tokens {max_tokens}: the server at {self.base_url} samples at most {top}"
+            )
+
+    def check_checkpoint(self, path: str | None, flag: str) -> None:
+        """A ``tinker://RUN/weights/NAME`` path this server holds (our server lists a run's
+        checkpoints; elsewhere the recipe finds out)."""
+        if not path or self.backend != "torch":
+            return
+        from rlcli import endpoint
+
+        run_id, _, name = path.removeprefix("tinker://").partition("/")
+        try:
+            listed = endpoint.get_json(self.base_url, f"/api/v1/training_runs/{run_id}/checkpoints")
+        except RlcliError:
+            raise RlcliError(
+                f"{flag} {path}: the server at {self.base_url} has no training run {run_id!r}"
+            ) from None
+        kinds = {c.get("checkpoint_id"): c.get("checkpoint_type") for c in listed["checkpoints"]}
+        if name not in kinds:
+            have = ", ".join(sorted(k for k in kinds if k)) or "none"
+            raise RlcliError(f"{flag} {path}: no such checkpoint; that run has: {have}")
+        if kinds[name] != "training":
+            raise RlcliError(
+                f"{flag} {path}: a sampler checkpoint; pass the run's weights/... (state) path"
+            )
+
     def check_loss_config_values(self, model: str, loss: str, config: dict | None) -> None:
         """A one-datum ``forward`` with the loss and its config: the server refuses bad values
         (400) here, not after the first batch of rollouts."""

@@ -136,6 +136,8 @@ def check_server(server, opts: RLOptions, plan: RLPlan) -> str:
         from rlcli.data import gsm8k
 
         gsm8k.load_rows(None, "test")
+    server.check_max_tokens(opts.max_tokens)
+    server.check_checkpoint(opts.init_checkpoint, "--init-checkpoint")
     served_by = loss_guard.check_server(
         server.base_url, opts.loss, opts.backend, opts.model, plan.loss_config
     )
