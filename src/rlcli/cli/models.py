@@ -34,14 +34,28 @@ def tiny(
 
 @app.command("import-gguf")
 def import_gguf(
-    gguf_file: Path = typer.Argument(..., help="A .gguf file (needs `pip install gguf`)."),
+    gguf_file: Path = typer.Argument(..., help="A .gguf file (needs: pip install 'rlcli[gguf]')."),
     out: Path = typer.Argument(..., help="Folder to write the converted model into."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Convert a GGUF model to a transformers folder (weights dequantized to float32)."""
+    import importlib.util
+
+    from rlcli.errors import RlcliError
     from rlcli.models import import_gguf as convert
 
+    if not gguf_file.expanduser().is_file():
+        raise RlcliError(f"{gguf_file}: no such GGUF file")
+    if importlib.util.find_spec("gguf") is None:
+        raise RlcliError(
+            "models import-gguf needs the gguf package, which is not installed: "
+            "pip install 'rlcli[gguf]'"
+        )
     info(f"converting {gguf_file} ...")
-    folder = convert(gguf_file, out)
+    try:
+        folder = convert(gguf_file, out)
+    except (ValueError, OSError, KeyError, RuntimeError) as e:  # not GGUF, unknown architecture
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise RlcliError(f"{gguf_file}: cannot convert ({type(e).__name__}: {first})") from None
     serve = f"rlcli serve start --base-model {folder}"
     emit({"path": str(folder), "serve": serve}, as_json=as_json)

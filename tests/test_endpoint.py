@@ -1,0 +1,149 @@
+"""One server resolution and one-line server errors for every command, the API key the SDK
+would send on every request rlcli makes itself, and the small things a user trusts the CLI
+for (`--version`, a missing optional package named by its extra). Real server processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_rlcli, start_server
+from rlcli.backends import process
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+DEAD_URL = "http://127.0.0.1:9"
+
+
+def test_resolution_order_is_flag_env_running_server_default(tmp_path, monkeypatch):
+    from rlcli import endpoint
+
+    monkeypatch.setenv("RLCLI_HOME", str(tmp_path))
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+    assert endpoint.resolve_base_url(None) == ("http://localhost:8000", "the default")
+    me = process.ServerRecord(
+        pid=os.getpid(), host="127.0.0.1", port=8123, base_model="m", backend="torch",
+        log_path="x", start_ticks=process.start_ticks(os.getpid()),
+    )  # fmt: skip
+    (tmp_path / "server.json").write_text(json.dumps(me.__dict__))
+    url, source = endpoint.resolve_base_url(None)
+    assert url == "http://127.0.0.1:8123" and f"pid {os.getpid()}" in source
+    monkeypatch.setenv("TINKER_BASE_URL", "http://10.0.0.1:9000/")
+    assert endpoint.resolve_base_url(None) == ("http://10.0.0.1:9000", "$TINKER_BASE_URL")
+    assert endpoint.resolve_base_url("http://h:1") == ("http://h:1", "--base-url")
+
+
+def test_passthrough_without_a_server_fails_fast_with_trains_line(tmp_path):
+    env = {"RLCLI_HOME": str(tmp_path), "TINKER_BASE_URL": DEAD_URL}
+    began = time.monotonic()
+    result = run_rlcli("run", "list", env=env, timeout=60)
+    took = time.monotonic() - began
+    assert result.returncode == 1 and took < 15
+    assert result.stderr.startswith(f"error: no Tinker server answered at {DEAD_URL} (from ")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "rlcli serve start" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_passthrough_and_train_find_the_server_running_here(tmp_path, tiny_model):
+    home = tmp_path / "home"
+    record = start_server(home, tiny_model)
+    try:
+        env = {"RLCLI_HOME": str(home), "TINKER_BASE_URL": ""}
+        listed = run_rlcli("run", "list", "--json", env=env, timeout=120)
+        assert listed.returncode == 0, listed.stderr
+        chats = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
+        trained = run_rlcli(
+            "train", "sl", "--dataset", str(chats / "conversations.jsonl"),
+            "--model", str(tiny_model), "--max-steps", "1", "--batch-size", "4",
+            "--lora-rank", "4", "--log-path", str(tmp_path / "run"), env=env, timeout=300,
+        )  # fmt: skip
+        assert trained.returncode == 0, trained.stderr[-3000:]
+        said = f"server: {record.base_url} (the server running here, pid {record.pid})"
+        assert said in trained.stderr
+    finally:
+        process.stop(home)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory, tiny_model):
+    """A server started with --api-key tml-secret."""
+    home = tmp_path_factory.mktemp("keyed-home")
+    record = start_server(home, tiny_model, api_key="tml-secret")
+    yield home, record
+    process.stop(home)
+
+
+def test_status_and_passthrough_send_the_api_key(keyed_server):
+    home, record = keyed_server
+    right = {"RLCLI_HOME": str(home), "TINKER_API_KEY": "tml-secret", "TINKER_BASE_URL": ""}
+    status = run_rlcli("serve", "status", "--json", env=right)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["device"] == "cpu"  # the keyed /rlcli/status answered
+    listed = run_rlcli("run", "list", env=right, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    wrong = {**right, "TINKER_API_KEY": "tml-wrong"}
+    refused = run_rlcli("run", "list", env=wrong, timeout=60)
+    assert refused.returncode == 1
+    assert refused.stderr.startswith(f"error: the server at {record.base_url} refused the API")
+    assert "TINKER_API_KEY" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
+def test_train_rl_against_a_keyed_server(keyed_server, tiny_model, tmp_path):
+    home, record = keyed_server
+    args = (
+        "train", "rl", "--model", str(tiny_model), "--base-url", record.base_url,
+        "--gsm8k-dir", str(GSM8K), "--batch-size", "2", "--group-size", "2",
+        "--max-tokens", "8", "--max-steps", "1", "--lora-rank", "4", "--json",
+    )  # fmt: skip
+    right = run_rlcli(
+        *args, "--log-path", str(tmp_path / "ok"), env={"TINKER_API_KEY": "tml-secret"}
+    )
+    assert right.returncode == 0, right.stderr[-3000:]
+    assert json.loads(right.stdout)["state_path"].startswith("tinker://")
+    wrong = run_rlcli(*args, "--log-path", str(tmp_path / "no"), env={"TINKER_API_KEY": "tml-nope"})
+    assert wrong.returncode == 1
+    errors = [ln for ln in wrong.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "refused the API key" in errors[0], wrong.stderr
+    assert "Traceback" not in wrong.stderr
+
+
+def test_version():
+    result = run_rlcli("--version")
+    from importlib.metadata import version
+
+    assert result.returncode == 0 and result.stdout.strip() == f"rlcli {version('rlcli')}"
+
+
+def test_import_gguf_without_the_package_names_the_extra(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is not None:
+        pytest.skip("gguf is installed here")
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF" + b"\0" * 64)
+    result = run_rlcli("models", "import-gguf", str(fake), str(tmp_path / "out"))
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "error: models import-gguf needs the gguf package, which is not installed: "
+        "pip install 'rlcli[gguf]'"
+    )
+    missing = run_rlcli("models", "import-gguf", str(tmp_path / "nope.gguf"), str(tmp_path / "o"))
+    assert missing.returncode == 1 and "no such GGUF file" in missing.stderr
+    assert "Traceback" not in result.stderr + missing.stderr
+
+
+def test_the_tinker_cli_is_run_with_the_resolved_url(tmp_path):
+    # --help needs no server: the pass-through answers without checking one.
+    result = subprocess.run(
+        [*__import__("conftest").RLCLI, "checkpoint", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RLCLI_HOME": str(tmp_path), "TINKER_BASE_URL": DEAD_URL},
+        timeout=60,
+    )
+    assert result.returncode == 0 and "list" in result.stdout
