@@ -48,7 +48,6 @@ class Adapter:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
     steps: int = 0
-    trained: bool = False  # a forward_backward or optim_step has changed it: no load_state
 
 
 def pick_device(device: str) -> torch.device:
@@ -268,8 +267,6 @@ class Engine:
             finite.check_finite(total_loss, "the loss")
             for key, value in metric_sums.items():
                 finite.check_finite(value, f"metric {key}")
-        if not forward_only:
-            adapter.trained = True
         metrics = {"loss:sum": total_loss}
         metrics.update({f"{k}:sum": v for k, v in metric_sums.items()})
         return outputs, metrics
@@ -330,7 +327,6 @@ class Engine:
         finite.guarded_step(adapter.params, adapter.optimizer)
         adapter.optimizer.zero_grad(set_to_none=True)
         adapter.steps += 1
-        adapter.trained = True
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": learning_rate}
 
     # ---- checkpoints -----------------------------------------------------------------------
@@ -363,12 +359,6 @@ class Engine:
         from peft.utils import set_peft_model_state_dict
 
         adapter = self._require(model_id)
-        if adapter.trained:
-            raise UserError(
-                "load_state into a training client that has already trained is not permitted; "
-                "create a new training client from the state instead "
-                "(create_training_client_from_state)"
-            )
         version = checkpoints.resolve(Path(directory))
         if version is None:
             raise UserError(f"path: no checkpoint at {path}")

@@ -51,7 +51,13 @@ async def save_weights_for_sampler(body: SaveWeights, state: State):
 
 @router.post("/load_weights")
 async def load_weights(body: LoadWeights, state: State):
-    state.model(body.model_id)
+    if state.model(body.model_id).trained:
+        raise HTTPException(
+            400,
+            "load_weights into a training client that has already trained is not permitted; "
+            "create a new training client from the state instead "
+            "(ServiceClient.create_training_client_from_state)",
+        )
     _, folder = resolve_checkpoint(state, body.path)
     op = ops.LoadState(body.model_id, str(folder), body.optimizer, body.path)
     return state.submit(op, body.model_id)

@@ -100,7 +100,7 @@ async def forward_backward(request: Request, state: State):
         req = wire.decode_forward_backward(body)
     except wire.WireError as e:
         raise HTTPException(400, str(e)) from None
-    state.model(req.model_id)
+    record = state.model(req.model_id)
     try:
         validate_forward_backward(req, info["vocab_size"], info["max_context"])
     except RequestError as e:
@@ -108,11 +108,16 @@ async def forward_backward(request: Request, state: State):
     op = ops.ForwardBackward(
         req.model_id, req.data, req.loss_fn, req.loss_fn_config, req.forward_only
     )
-    return state.submit(op, req.model_id)
+    future = state.submit(op, req.model_id)
+    record.trained = record.trained or not req.forward_only
+    return future
 
 
 @router.post("/optim_step")
 async def optim_step(body: OptimStep, state: State):
     state.engine_info()
-    state.model(body.model_id)
-    return state.submit(ops.OptimStep(body.model_id, body.adam_params.model_dump()), body.model_id)
+    record = state.model(body.model_id)
+    op = ops.OptimStep(body.model_id, body.adam_params.model_dump())
+    future = state.submit(op, body.model_id)
+    record.trained = True
+    return future

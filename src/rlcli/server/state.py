@@ -58,6 +58,7 @@ class ModelRecord:
     user_metadata: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     last_request: float = field(default_factory=time.time)
+    trained: bool = False  # a forward_backward or optim_step was queued: no load_state after
 
 
 @dataclass
