@@ -22,6 +22,7 @@ class TorchServerOptions:
     checkpoints_dir: str = ""
     api_key: str | None = None
     session_timeout: float = 300.0
+    max_sample_tokens: int = 16384
 
 
 def check_base_model(name: str) -> str:
@@ -48,6 +49,7 @@ def server_command(options: TorchServerOptions) -> list[str]:
         "--dtype", options.dtype,
         "--max-lora-rank", str(options.max_lora_rank),
         "--session-timeout", str(options.session_timeout),
+        "--max-sample-tokens", str(options.max_sample_tokens),
     ]  # fmt: skip
     if options.checkpoints_dir:
         command += ["--checkpoints-dir", options.checkpoints_dir]

@@ -46,6 +46,9 @@ def start(
     session_timeout: float = typer.Option(
         300, help="Free a client's adapters after this many seconds without a heartbeat."
     ),
+    max_sample_tokens: int = typer.Option(
+        16384, help="The most tokens one sample request may ask for (longer ones are refused)."
+    ),
     wait: float = typer.Option(
         300, help="Seconds to wait for the server to become healthy; then stop it and fail."
     ),
@@ -78,6 +81,7 @@ def start(
         max_lora_rank=max_lora_rank,
         checkpoints_dir=str((checkpoints_dir or home / "checkpoints").expanduser().resolve()),
         session_timeout=session_timeout,
+        max_sample_tokens=max_sample_tokens,
         api_key=api_key,
     )
     env = {torch_backend.API_KEY_ENV: api_key} if api_key else {}
