@@ -232,3 +232,14 @@ def test_config_path_errors(tmp_path):
     bad.write_text("model = \n")
     result, _ = invoke("--config", str(bad))
     assert "not valid TOML" in str(result.exception)
+
+
+def test_gspo_note_only_where_it_applies():
+    from rlcli.recipes import rl
+
+    gspo = RLOptions(model="m", loss="gspo")
+    assert not rl.gspo_note_applies(gspo, "torch")  # our server: results in input order
+    assert rl.gspo_note_applies(gspo, "unknown") and rl.gspo_note_applies(gspo, "megatron")
+    assert rl.gspo_note_applies(RLOptions(model="m", loss="gspo", backend="fsdp"), None)
+    assert not rl.gspo_note_applies(RLOptions(model="m"), "unknown")  # not gspo
+    assert len(rl.GSPO_NOTE.splitlines()) == 1 and "SkyRL#2043" in rl.GSPO_NOTE

@@ -9,6 +9,7 @@ create the run folder and start the recipe.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -36,8 +37,13 @@ def _train(recipe, opts) -> None:
     if not opts.renderer:
         info(f"renderer: {plan.renderer} ({plan.renderer_source})")
     if opts.dry_run:
-        shown = {**asdict(plan), "options": options.saved(run_opts)}
-        emit(shown, as_json=opts.json, title="training plan (dry run)")
+        resolved = options.saved(run_opts)
+        if opts.json:
+            emit({**asdict(plan), "options": resolved}, as_json=True)
+        else:
+            emit(asdict(plan), as_json=False, title="training plan (dry run)")
+            shown = {k: json.dumps(v) if isinstance(v, dict) else v for k, v in resolved.items()}
+            emit(shown, as_json=False, title="resolved options")
         return
     info(endpoint.describe(url, source))
     served_by = _check_server(recipe, run_opts, plan, url, source)
