@@ -29,6 +29,7 @@ from rlcli.server import (
     routes_service,
     routes_training,
 )
+from rlcli.server.errors import UserError
 from rlcli.server.schemas import first_error
 from rlcli.server.state import ServerState, Settings, housekeeping
 
@@ -68,6 +69,10 @@ def create_app(settings: Settings) -> FastAPI:
     for module in (routes_service, routes_training, routes_sampling, routes_checkpoints):
         app.include_router(module.router, dependencies=guarded)
     app.include_router(routes_rest.router, dependencies=guarded)
+
+    @app.exception_handler(UserError)
+    async def user_error(request: Request, exc: UserError):
+        return JSONResponse({"detail": str(exc)}, 400)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError):

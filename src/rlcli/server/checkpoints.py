@@ -30,13 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlcli.server.errors import UserError
+
 KINDS = ("weights", "sampler_weights")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 VERSION_PREFIX = ".v-"
 SWEEP_GRACE_S = 120.0  # an unreferenced version lives this long (a reader may still use it)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A bad checkpoint name or path; the message says which and why."""
 
 

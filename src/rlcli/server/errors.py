@@ -1,7 +1,8 @@
 """The one error type that means "the request was wrong", wherever it is raised.
 
-Routes answer it as HTTP 400 naming the field; the engine answers it as a future whose error
-category is ``user`` (the SDK raises it at once instead of retrying).
+Raised in a route (or by ``wire``, ``validate``, ``checkpoints`` under one), ``app.py`` answers
+it as HTTP 400 with its message; raised in the engine, the future fails with category
+``user`` (the SDK raises it at once instead of retrying). Subclasses say where it came from.
 """
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from fastapi import APIRouter, HTTPException
 
 from rlcli.server import checkpoints, ops
-from rlcli.server.checkpoints import CheckpointError, CheckpointRef
+from rlcli.server.checkpoints import CheckpointRef
 from rlcli.server.schemas import LoadWeights, SaveWeights, WeightsInfo
 from rlcli.server.state import SamplerRef, ServerState, State
 
@@ -21,10 +21,7 @@ router = APIRouter(prefix="/api/v1")
 def resolve_checkpoint(state: ServerState, path: str) -> tuple[CheckpointRef, Path]:
     """A tinker:// path that names a live checkpoint -> (ref, its name on disk);
     400 if malformed, 404 if absent or expired."""
-    try:
-        ref = checkpoints.parse_tinker_path(path)
-    except CheckpointError as e:
-        raise HTTPException(400, str(e)) from None
+    ref = checkpoints.parse_tinker_path(path)
     folder = ref.folder(state.checkpoints_root)
     if checkpoints.resolve(folder) is None:
         raise HTTPException(404, f"path: no checkpoint at {path}")
@@ -80,10 +77,7 @@ async def weights_info(body: WeightsInfo, state: State):
 
 def _save(state: ServerState, body: SaveWeights, kind: str) -> dict:
     record = state.model(body.model_id)
-    try:
-        name = checkpoints.check_name(body.path or "")
-    except CheckpointError as e:
-        raise HTTPException(400, str(e)) from None
+    name = checkpoints.check_name(body.path or "")
     ref = CheckpointRef(body.model_id, kind, name)
     folder = str(ref.folder(state.checkpoints_root))
     meta = {

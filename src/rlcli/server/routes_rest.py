@@ -19,7 +19,7 @@ from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
 from rlcli.server import checkpoints, ops
-from rlcli.server.checkpoints import CheckpointError, CheckpointRef
+from rlcli.server.checkpoints import CheckpointRef
 from rlcli.server.engine_process import EngineUnavailable
 from rlcli.server.schemas import SetTtl
 from rlcli.server.state import ServerState, State
@@ -77,10 +77,7 @@ def _run_json(state: ServerState, run: dict[str, Any]) -> dict[str, Any]:
 
 
 def _find_run(state: ServerState, run_id: str) -> dict[str, Any]:
-    try:
-        run = checkpoints.read_run(state.checkpoints_root, run_id)
-    except CheckpointError as e:
-        raise HTTPException(400, str(e)) from None
+    run = checkpoints.read_run(state.checkpoints_root, run_id)
     if run is None:
         raise HTTPException(404, f"training_run_id: unknown training run {run_id!r}")
     return run
@@ -92,12 +89,9 @@ def _find_checkpoint(state: ServerState, run_id: str, kind: str, name: str) -> t
         raise HTTPException(
             400, f"checkpoint_id: {kind}/{name!r} is not weights/<name> or sampler_weights/<name>"
         )
-    try:
-        ref = CheckpointRef(
-            checkpoints.check_name(run_id, "run_id"), kind, checkpoints.check_name(name)
-        )
-    except CheckpointError as e:
-        raise HTTPException(400, str(e)) from None
+    ref = CheckpointRef(
+        checkpoints.check_name(run_id, "run_id"), kind, checkpoints.check_name(name)
+    )
     folder = ref.folder(state.checkpoints_root)
     version = checkpoints.resolve(folder)
     if version is None:

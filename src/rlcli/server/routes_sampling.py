@@ -45,10 +45,7 @@ async def asample(body: Sample, state: State):
             )
     else:
         ref = _sampler_ref(state, body.model_path, body.base_model, None)
-    try:
-        job = _sample_job(body, info, state.settings.max_sample_tokens)
-    except RequestError as e:
-        raise HTTPException(400, str(e)) from None
+    job = _sample_job(body, info, state.settings.max_sample_tokens)
     job.sampler = ref.key
     return state.submit(ops.Sample(job))
 

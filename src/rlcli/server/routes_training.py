@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException, Request
 from rlcli.server import checkpoints, ops, wire
 from rlcli.server.schemas import CreateModel, LoraConfig, ModelRef, OptimStep
 from rlcli.server.state import ModelRecord, State
-from rlcli.server.validate import RequestError, validate_forward_backward
+from rlcli.server.validate import validate_forward_backward
 
 router = APIRouter(prefix="/api/v1")
 
@@ -95,16 +95,10 @@ async def forward_backward(request: Request, state: State):
             415, f"forward_backward takes a {wire.PROTO_CONTENT_TYPE} body (tinker>=0.25)"
         )
     body = await request.body()
-    try:
-        body = wire.decompress(body, request.headers.get("content-encoding", ""), MAX_BODY_BYTES)
-        req = wire.decode_forward_backward(body)
-    except wire.WireError as e:
-        raise HTTPException(400, str(e)) from None
+    body = wire.decompress(body, request.headers.get("content-encoding", ""), MAX_BODY_BYTES)
+    req = wire.decode_forward_backward(body)
     record = state.model(req.model_id)
-    try:
-        validate_forward_backward(req, info["vocab_size"], info["max_context"])
-    except RequestError as e:
-        raise HTTPException(400, str(e)) from None
+    validate_forward_backward(req, info["vocab_size"], info["max_context"])
     op = ops.ForwardBackward(
         req.model_id, req.data, req.loss_fn, req.loss_fn_config, req.forward_only
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from rlcli.server import losses
+from rlcli.server.errors import UserError
 from rlcli.server.wire import FwdBwdRequest
 
 # Keys some clients send alongside the loss inputs and that no loss reads (the cookbook's RL
@@ -13,8 +14,8 @@ from rlcli.server.wire import FwdBwdRequest
 IGNORED_INPUTS = {"mask"}
 
 
-class RequestError(ValueError):
-    """Invalid request; the message names the field. Answered as HTTP 400."""
+class RequestError(UserError):
+    """Invalid request; the message names the field."""
 
 
 def validate_forward_backward(req: FwdBwdRequest, vocab_size: int, max_context: int) -> None:

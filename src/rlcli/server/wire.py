@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlcli.compat import public_pb
+from rlcli.server.errors import UserError
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
 
 
-class WireError(ValueError):
+class WireError(UserError):
     """A request body that cannot be decoded; the message names the field."""
 
 
