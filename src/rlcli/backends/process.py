@@ -171,6 +171,15 @@ def tail(path: Path, lines: int) -> list[str]:
     return text.splitlines()[-lines:] if lines > 0 else []
 
 
+def last_start_offset(path: Path) -> int:
+    """Where the last ``rlcli serve start`` section of the log begins (0 if none)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return 0
+    return max(0, data.rfind(b"\n==== rlcli serve start"))
+
+
 def last_error_line(path: Path, offset: int = 0) -> str:
     """The last line of the log (from byte ``offset``) that names an error, else the last line."""
     try:

@@ -149,8 +149,10 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print as JSON."))
     record, stale = process.live_record(_home())
     if record is None:
         result = {"running": False}
-        if stale:
+        if stale:  # it died on its own: say why, from its part of the log
             result["cleaned_up_stale_pid"] = stale.pid
+            log = Path(stale.log_path)
+            result["last_error"] = process.last_error_line(log, process.last_start_offset(log))
         emit(result, as_json=as_json)
         raise typer.Exit(3)  # like `systemctl status`: 3 means not running
     healthy, detail = process.health(record.base_url)

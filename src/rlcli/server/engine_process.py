@@ -106,7 +106,7 @@ class EngineClient:
 
     def _died(self, reason: str) -> None:
         self.error = reason
-        log.error("%s; failing every pending request", reason)
+        log.error("engine failed: %s; failing every pending request", reason)
         self.ready.set()
         self._futures.fail_all(f"{reason}; restart the server (`rlcli serve start`)")
         if self.on_death is not None:
