@@ -243,3 +243,15 @@ def test_gspo_note_only_where_it_applies():
     assert rl.gspo_note_applies(RLOptions(model="m", loss="gspo", backend="fsdp"), None)
     assert not rl.gspo_note_applies(RLOptions(model="m"), "unknown")  # not gspo
     assert len(rl.GSPO_NOTE.splitlines()) == 1 and "SkyRL#2043" in rl.GSPO_NOTE
+
+
+def test_log_path_must_be_a_folder_or_creatable(tmp_path):
+    from rlcli.recipes.preflight import check_run_dir
+
+    check_run_dir(tmp_path / "new" / "run")  # created later, under a writable folder
+    file = tmp_path / "file"
+    file.write_text("")
+    with pytest.raises(RlcliError, match="exists and is not a folder"):
+        check_run_dir(file)
+    with pytest.raises(RlcliError, match="cannot create it"):
+        check_run_dir(file / "run")

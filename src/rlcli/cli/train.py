@@ -17,7 +17,7 @@ from pathlib import Path
 import typer
 
 from rlcli.cli._output import emit, info
-from rlcli.recipes import options, rl, sl
+from rlcli.recipes import options, preflight, rl, sl
 
 app = typer.Typer(
     help="Train: supervised fine-tuning (sl), RL on GSM8K (rl).", no_args_is_help=True
@@ -32,6 +32,7 @@ def _train(recipe, opts) -> None:
         _require_wandb(opts)
     stdin = sys.stdin if getattr(opts, "dataset", None) == "-" else None
     plan, data = recipe.prepare(opts, stdin=stdin, dry_run=opts.dry_run)
+    preflight.check_run_dir(Path(plan.run_dir))
     url, source = endpoint.resolve_base_url(opts.base_url)
     run_opts = recipe.resolved(opts, plan, url)
     if not opts.renderer:
@@ -59,10 +60,9 @@ def _train(recipe, opts) -> None:
 def _check_server(recipe, opts, plan, url: str, source: str) -> str:
     """Everything the server can tell before the run folder exists; returns its backend."""
     from rlcli import endpoint
-    from rlcli.recipes.preflight import Server
 
     endpoint.check_server(url, model=opts.model, source=source)
-    server = Server(url)
+    server = preflight.Server(url)
     server.check_model(opts.model)
     server.check_lora_rank(opts.lora_rank)
     return recipe.check_server(server, opts, plan)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 import re
 from functools import cache
 from pathlib import Path
@@ -33,6 +34,18 @@ def check_model_arg(model: str) -> None:
         raise RlcliError(f"--model {model}: not a folder (a hub id or a model folder)")
     if model.startswith(_PATH_PREFIXES) or model.count("/") > 1:
         raise RlcliError(f"--model {model}: no such folder")
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """``--log-path`` must be a folder, or creatable: its nearest existing parent is a
+    writable folder."""
+    if run_dir.exists():
+        if not run_dir.is_dir():
+            raise RlcliError(f"--log-path {run_dir}: exists and is not a folder")
+        return
+    parent = next(p for p in run_dir.parents if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise RlcliError(f"--log-path {run_dir}: cannot create it ({parent} is not writable)")
 
 
 @cache
