@@ -158,6 +158,7 @@ def _help_order(cls: type) -> list[dataclasses.Field]:
 
 
 def _source(ctx, name: str) -> str:
+    """Where click took a parameter's value from (typer may bundle its own click, so by name)."""
     return getattr(ctx.get_parameter_source(name), "name", "")
 
 
@@ -193,10 +194,7 @@ def typer_command(app, name: str, cls: type, run, help: str) -> None:
         )
 
     def command(ctx: typer.Context, **values: Any) -> None:
-        # typer may bundle its own click: compare the source by name
-        given = {
-            k for k in values if getattr(ctx.get_parameter_source(k), "name", "") == "COMMANDLINE"
-        }
+        given = {k for k in values if _source(ctx, k) == "COMMANDLINE"}
         run(load(cls, values, given))
 
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
