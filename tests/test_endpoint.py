@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -105,6 +106,9 @@ def test_train_rl_against_a_keyed_server(keyed_server, tiny_model, tmp_path):
     )
     assert right.returncode == 0, right.stderr[-3000:]
     assert json.loads(right.stdout)["state_path"].startswith("tinker://")
+    # progress from the first second, sampling included: 2 problems x 2 rollouts
+    assert right.stderr.index("starting") < right.stderr.index("sampling rollouts")
+    assert re.search(r"^sampling rollouts [0-4]/4 \(step 1\)$", right.stderr, re.M), right.stderr
     wrong = run_rlcli(*args, "--log-path", str(tmp_path / "no"), env={"TINKER_API_KEY": "tml-nope"})
     assert wrong.returncode == 1
     errors = [ln for ln in wrong.stderr.splitlines() if ln.startswith("error:")]

@@ -155,3 +155,49 @@ def test_kill_9_at_three_points_then_resume_matches_an_uninterrupted_run(
     assert optimizer_steps(server, final) == 12
     ref_final = json.loads(ref.stdout)["state_path"]
     assert optimizer_steps(server, ref_final) == 12
+
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
+def test_rl_checkpoints_hold_exactly_the_steps_before_their_batch(tmp_path, server, tiny_model):
+    """`train rl` resumes at a checkpoint's recorded batch; each checkpoint must hold exactly
+    that many optimizer steps (0.5.7's rl.train saves after awaiting the step: no fix needed)."""
+    run_dir = tmp_path / "rl"
+    result = subprocess.run(
+        [
+            *RLCLI,
+            "train",
+            "rl",
+            "--model",
+            str(tiny_model),
+            "--base-url",
+            server.base_url,
+            "--gsm8k-dir",
+            str(GSM8K),
+            "--batch-size",
+            "2",
+            "--group-size",
+            "2",
+            "--max-tokens",
+            "8",
+            "--max-steps",
+            "3",
+            "--save-every",
+            "1",
+            "--lora-rank",
+            "4",
+            "--log-path",
+            str(run_dir),
+            "--json",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = records(run_dir)
+    assert [r["batch"] for r in saved] == [1, 2, 3, 3]  # 000001..000003, final
+    for record in saved:
+        assert optimizer_steps(server, record["state_path"]) == record["batch"], record

@@ -63,7 +63,7 @@ def check_server(
             f"no Tinker server answered at {url}{where} ({type(e).__name__}); "
             f"start one with `{start}` or pass --base-url"
         ) from None
-    if response.status_code != 200:
+    if response.status_code not in (200, 404):  # 404: no health route (SkyRL); ask below
         detail = _detail(response)
         if detail != LOADING:
             raise RlcliError(f"the Tinker server at {url}{where} is not healthy: {detail}")

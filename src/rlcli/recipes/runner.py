@@ -171,16 +171,25 @@ class _HealthWatch(threading.Thread):
                 return
 
     def _check(self) -> str | None:
+        """None while the server is fine (or still loading its model); else what is wrong."""
+        from rlcli import endpoint
+
         try:
-            response = httpx.get(self.url, timeout=min(5.0, HEALTH_EVERY_S * 2))
+            response = httpx.get(self.url, headers=endpoint.headers(), timeout=5.0)
         except httpx.HTTPError as e:
             return f"stopped answering ({type(e).__name__})"
+        if response.status_code == 404 and self.url.endswith("/healthz"):
+            # A server without our health route (SkyRL): any authenticated answer will do.
+            self.url = self.url.removesuffix("/healthz") + "/get_server_capabilities"
+            return self._check()
         if response.status_code == 200:
             return None
         try:
             detail = str(response.json().get("detail") or response.status_code)
         except (ValueError, AttributeError):
             detail = f"HTTP {response.status_code}"
+        if detail == endpoint.LOADING:
+            return None
         return f"is unhealthy ({detail[:200]})"
 
 
