@@ -111,7 +111,7 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, server, tiny
 def test_dry_run_plans_without_a_server(tmp_path, tiny_model, chat_file):
     result = run(
         "train", "sl", "--dataset", "-", "--model", str(tiny_model), "--base-url", DEAD_URL,
-        "--dry-run", "--json", "--test-size", "0.25", "--batch-size", "8",
+        "--dry-run", "--json", "--test-size", "0.25", "--batch-size", "8", "--seed", "5",
         "--log-path", str(tmp_path / "run"),
         stdin=chat_file.read_text(),
     )  # fmt: skip

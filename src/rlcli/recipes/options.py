@@ -78,6 +78,9 @@ class TrainOptions:
     lr: float = option(1e-4, "Learning rate.", flags=("--learning-rate",), gt=0)
     save_every: int = option(20, "Checkpoint every N steps (0: only at the end).", min=0)
     max_steps: int | None = option(None, "Stop after this many steps.", min=1)
+    seed: int = option(
+        0, "Seed for data order, LoRA initialisation and rollouts (same seed, same run).", min=0
+    )
     log_path: str | None = option(
         None, "Run folder (default: $RLCLI_HOME/runs/<command>-<time>); reuse it to resume."
     )
@@ -115,7 +118,6 @@ class PolicyOptions(TrainOptions):
     group_size: int = option(8, "Rollouts per problem.", min=2)
     max_tokens: int = option(256, "Longest sampled answer.", min=1)
     temperature: float = option(1.0, "Sampling temperature for rollouts.", gt=0)
-    seed: int = option(0, "Seed for data order and sampling (same seed, same run).", min=0)
     init_checkpoint: str | None = option(
         None, "Start from this checkpoint's weights (tinker://..., e.g. from train sl)."
     )

@@ -48,7 +48,7 @@ class SLPlan:
     renderer_source: str
     # Counted for dry runs only (the recipe renders everything again); None otherwise, or
     # when the tokenizer cannot be loaded here (an offline hub id). Split as the recipe
-    # splits (its seeded shuffle, then the first held_out conversations).
+    # splits (its shuffle with --seed, then the first held_out conversations).
     tokens_per_epoch: int | None
     held_out_tokens: int | None
     resuming: bool
@@ -123,7 +123,9 @@ def prepare(opts: SLOptions, stdin=None, dry_run: bool = False) -> tuple[SLPlan,
         steps = min(steps, opts.max_steps)
     tokens = (None, None)
     if dry_run:
-        tokens = _count_tokens(conversations, held_out, renderer, tokenizer, opts.max_length)
+        tokens = _count_tokens(
+            conversations, held_out, renderer, tokenizer, opts.max_length, opts.seed
+        )
     plan = SLPlan(
         run_dir=str(run_dir),
         dataset_path=str(dataset_path),
@@ -142,7 +144,7 @@ def prepare(opts: SLOptions, stdin=None, dry_run: bool = False) -> tuple[SLPlan,
     return plan, conversations
 
 
-def _count_tokens(conversations, held_out, renderer_name, tokenizer, max_length):
+def _count_tokens(conversations, held_out, renderer_name, tokenizer, max_length, seed):
     """(training tokens per epoch, held-out tokens), after truncation to ``max_length``."""
     if tokenizer is None:
         return None, None
@@ -155,8 +157,8 @@ def _count_tokens(conversations, held_out, renderer_name, tokenizer, max_length)
         conversation_to_datum(c["messages"], renderer, max_length).model_input.length
         for c in conversations
     ]
-    # The recipe's order: FromConversationFileBuilder shuffles with seed 0, then splits.
-    order = datasets.Dataset.from_dict({"i": range(len(lengths))}).shuffle(seed=0)["i"]
+    # The recipe's order: FromConversationFileBuilder shuffles with the seed, then splits.
+    order = datasets.Dataset.from_dict({"i": range(len(lengths))}).shuffle(seed=seed)["i"]
     test = sum(lengths[i] for i in order[:held_out])
     return sum(lengths) - test, test
 
@@ -183,6 +185,7 @@ def cookbook_config(spec: dict):
     builder = FromConversationFileBuilder(
         file_path=plan["dataset_path"],
         test_size=plan["held_out"],
+        shuffle_seed=opts["seed"],
         common_config=ChatDatasetBuilderCommonConfig(
             model_name_for_tokenizer=opts["model"],
             renderer_name=plan["renderer"],
