@@ -255,3 +255,17 @@ def test_log_path_must_be_a_folder_or_creatable(tmp_path):
         check_run_dir(file)
     with pytest.raises(RlcliError, match="cannot create it"):
         check_run_dir(file / "run")
+
+
+def test_server_checks_skip_what_a_server_does_not_publish():
+    """SkyRL's capabilities list models only: no rank, sample or checkpoint check is made."""
+    from rlcli.recipes.preflight import Server
+
+    skyrl = object.__new__(Server)
+    skyrl.base_url, skyrl.caps = "http://x", {"supported_models": [{"model_name": "Qwen/Q"}]}
+    skyrl.check_model("Qwen/Q")
+    skyrl.check_lora_rank(4096)
+    skyrl.check_max_tokens(10**6)
+    skyrl.check_checkpoint("tinker://run/weights/final", "--init-checkpoint")  # no REST listing
+    with pytest.raises(RlcliError, match=r"--model other/model: the server at http://x serves"):
+        skyrl.check_model("other/model")
