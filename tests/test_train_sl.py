@@ -304,6 +304,12 @@ def test_wandb_flag_without_a_key_online_is_one_line(tmp_path, tiny_model, chat_
     pytest.importorskip("wandb")
     result = run(
         "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+        "--wandb-name", "lonely", "--dry-run",
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.strip() == "error: --wandb-name: name the project too (--wandb-project)"
+    result = run(
+        "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
         "--base-url", DEAD_URL, "--wandb-project", "p", "--log-path", str(tmp_path / "r"),
         env={"WANDB_MODE": "", "WANDB_API_KEY": ""},
     )  # fmt: skip
