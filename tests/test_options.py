@@ -266,6 +266,6 @@ def test_server_checks_skip_what_a_server_does_not_publish():
     skyrl.check_model("Qwen/Q")
     skyrl.check_lora_rank(4096)
     skyrl.check_max_tokens(10**6)
-    skyrl.check_checkpoint("tinker://run/weights/final", "--init-checkpoint")  # no REST listing
+    skyrl.check_checkpoint("tinker://run/weights/final", "--init-checkpoint", "training")
     with pytest.raises(RlcliError, match=r"--model other/model: the server at http://x serves"):
         skyrl.check_model("other/model")

@@ -203,17 +203,27 @@ def test_sft_checkpoint_kl_penalty_and_temperature_reach_the_recipe(tmp_path, se
         "--max-steps", "1", "--log-path", str(tmp_path / "sft"), "--json",
     )  # fmt: skip
     assert sft.returncode == 0, sft.stderr[-3000:]
-    state = json.loads(sft.stdout)["state_path"]
+    state, sampler = (json.loads(sft.stdout)[k] for k in ("state_path", "sampler_path"))
     run_dir = tmp_path / "rl"
+    base = small(server, tiny_model, run_dir, "--max-steps", "1", "--kl-penalty-coef", "0.1")
+    result = run(*base, "--init-checkpoint", sampler)  # a sampler checkpoint holds no state
+    assert result.returncode == 1 and "a sampler checkpoint; pass a weights/..." in result.stderr
+    result = run(*base, "--kl-reference", state)
+    assert result.returncode == 1 and "a training checkpoint; pass a sampler_weights/" in (
+        result.stderr
+    )
+    assert not run_dir.exists()
     result = run(
-        *small(server, tiny_model, run_dir, "--max-steps", "1", "--init-checkpoint", state),
-        "--kl-penalty-coef", "0.1", "--temperature", "0.7",
-    )  # fmt: skip
+        *base, "--init-checkpoint", state, "--kl-reference", sampler, "--temperature", "0.7"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     cookbook = json.loads((run_dir / "config.json").read_text())  # the recipe's own record
     assert cookbook["load_checkpoint_path"] == state
     assert cookbook["kl_penalty_coef"] == 0.1 and cookbook["temperature"] == 0.7
-    assert cookbook["kl_reference_config"]["base_model"] == str(tiny_model)
+    assert cookbook["kl_reference_config"] == {
+        "base_model": str(tiny_model),
+        "load_checkpoint_path": sampler,
+    }
     assert f"Loaded weights from {state}" in (run_dir / "console.log").read_text()
     assert "kl_policy_base" in json.loads((run_dir / "metrics.jsonl").read_text())
     result = run(*small(server, tiny_model, tmp_path / "x", "--init-checkpoint", "weights/final"))

@@ -121,7 +121,10 @@ class PolicyOptions(TrainOptions):
     init_checkpoint: str | None = option(
         None, "Start from this checkpoint's weights (tinker://..., e.g. from train sl)."
     )
-    kl_penalty_coef: float = option(0.0, "KL penalty against the base model (0: off).", min=0)
+    kl_penalty_coef: float = option(0.0, "KL penalty against the reference policy (0: off).", min=0)
+    kl_reference: str | None = option(
+        None, "KL reference: a tinker://.../sampler_weights/... checkpoint (default: base model)."
+    )
     eval_every: int = option(0, "Evaluate every N steps (0: never).", min=0)
 
 

@@ -111,9 +111,10 @@ class Server:
                 f"--max-tokens {max_tokens}: the server at {self.base_url} samples at most {top}"
             )
 
-    def check_checkpoint(self, path: str | None, flag: str) -> None:
-        """A ``tinker://RUN/weights/NAME`` path this server holds (our server lists a run's
-        checkpoints; elsewhere the recipe finds out)."""
+    def check_checkpoint(self, path: str | None, flag: str, kind: str) -> None:
+        """A ``tinker://RUN/NAME`` checkpoint of ``kind`` ("training": weights/..., for a
+        training client; "sampler": sampler_weights/..., for a sampling client) that this server
+        holds (our server lists a run's checkpoints; elsewhere the recipe finds out)."""
         if not path or self.backend != "torch":
             return
         from rlcli import endpoint
@@ -129,10 +130,9 @@ class Server:
         if name not in kinds:
             have = ", ".join(sorted(k for k in kinds if k)) or "none"
             raise RlcliError(f"{flag} {path}: no such checkpoint; that run has: {have}")
-        if kinds[name] != "training":
-            raise RlcliError(
-                f"{flag} {path}: a sampler checkpoint; pass the run's weights/... (state) path"
-            )
+        if kinds[name] != kind:
+            want = "weights/... (state)" if kind == "training" else "sampler_weights/..."
+            raise RlcliError(f"{flag} {path}: a {kinds[name]} checkpoint; pass a {want} path")
 
     def check_loss_config_values(self, model: str, loss: str, config: dict | None) -> None:
         """A one-datum ``forward`` with the loss and its config: the server refuses bad values

@@ -93,8 +93,14 @@ def prepare(opts: RLOptions, stdin=None, dry_run: bool = False) -> tuple[RLPlan,
 
     config = parse_loss_config(opts.loss_config)
     loss_guard.check_backend_hint(opts.backend, opts.loss)
-    if opts.init_checkpoint and not opts.init_checkpoint.startswith("tinker://"):
-        raise RlcliError(f"--init-checkpoint {opts.init_checkpoint}: expected a tinker:// path")
+    for flag, path in (
+        ("--init-checkpoint", opts.init_checkpoint),
+        ("--kl-reference", opts.kl_reference),
+    ):
+        if path and not path.startswith("tinker://"):
+            raise RlcliError(f"{flag} {path}: expected a tinker:// path")
+    if opts.kl_reference and not opts.kl_penalty_coef:
+        raise RlcliError("--kl-reference: set --kl-penalty-coef too (the penalty is off at 0)")
     check_model_arg(opts.model)
     check_renderer(opts.renderer)
     folder = gsm8k.resolve_dir(opts.gsm8k_dir)
@@ -137,7 +143,8 @@ def check_server(server, opts: RLOptions, plan: RLPlan) -> str:
 
         gsm8k.load_rows(None, "test")
     server.check_max_tokens(opts.max_tokens)
-    server.check_checkpoint(opts.init_checkpoint, "--init-checkpoint")
+    server.check_checkpoint(opts.init_checkpoint, "--init-checkpoint", "training")
+    server.check_checkpoint(opts.kl_reference, "--kl-reference", "sampler")
     served_by = loss_guard.check_server(
         server.base_url, opts.loss, opts.backend, opts.model, plan.loss_config
     )
@@ -186,8 +193,10 @@ def cookbook_config(spec: dict):
         seed=opts["seed"],
     )
     kl_reference = None
-    if opts["kl_penalty_coef"] > 0:  # the cookbook's reference: the base model's weights
-        kl_reference = train.KLReferenceConfig(base_model=opts["model"])
+    if opts["kl_penalty_coef"] > 0:  # the base model's weights, or a sampler checkpoint's
+        kl_reference = train.KLReferenceConfig(
+            base_model=opts["model"], load_checkpoint_path=opts["kl_reference"]
+        )
     return train.Config(
         learning_rate=opts["lr"],
         dataset_builder=builder,
