@@ -180,18 +180,22 @@ def last_start_offset(path: Path) -> int:
     return max(0, data.rfind(b"\n==== rlcli serve start"))
 
 
-def last_error_line(path: Path, offset: int = 0) -> str:
-    """The last line of the log (from byte ``offset``) that names an error, else the last line."""
+def last_error_line(path: Path, offset: int = 0, fallback: bool = True) -> str | None:
+    """The last line of the log (from byte ``offset``) that names an error; else the last line,
+    or None when ``fallback`` is false (a server killed from outside logs no error)."""
     try:
         with path.open("rb") as f:
             f.seek(offset)
             lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
     except FileNotFoundError:
-        return "(no log)"
+        return "(no log)" if fallback else None
     lines = [ln for ln in lines if ln and not ln.startswith("====")]
     for line in reversed(lines):
-        if "error" in line.lower() or "exception" in line.lower() or "failed" in line.lower():
+        lowered = line.lower()
+        if "error" in lowered or "exception" in lowered or "failed" in lowered:
             return line[:400]
+    if not fallback:
+        return None
     return lines[-1][:400] if lines else "(the log is empty)"
 
 

@@ -152,7 +152,9 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print as JSON."))
         if stale:  # it died on its own: say why, from its part of the log
             result["cleaned_up_stale_pid"] = stale.pid
             log = Path(stale.log_path)
-            result["last_error"] = process.last_error_line(log, process.last_start_offset(log))
+            error = process.last_error_line(log, process.last_start_offset(log), fallback=False)
+            if error:
+                result["last_error"] = error
         emit(result, as_json=as_json)
         raise typer.Exit(3)  # like `systemctl status`: 3 means not running
     healthy, detail = process.health(record.base_url)
