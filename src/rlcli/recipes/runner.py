@@ -34,7 +34,7 @@ import httpx
 from rlcli.errors import RlcliError
 from rlcli.recipes.progress import STATUS, Progress, Rates, StepLine, read_status
 
-__all__ = ["StepLine", "run_recipe", "lock_run_dir", "write_spec", "check_server"]
+__all__ = ["StepLine", "run_recipe", "lock_run_dir", "write_spec"]
 
 SPEC = "rlcli_spec.json"
 SUMMARY = "rlcli_summary.json"
@@ -45,24 +45,10 @@ HEALTH_FAILURES = 3  # in a row: a dead server is noticed within about 3 x (5 s 
 PARENT_PID_ENV = "RLCLI_PARENT_PID"  # the child checks its parent is still this pid
 
 
-def check_server(base_url: str, model: str) -> None:
-    """One clear line if nothing answers at ``base_url`` (see ``endpoint.check_server``)."""
-    from rlcli import endpoint
-
-    endpoint.check_server(base_url.rstrip("/"), model=model)
-
-
 def default_run_dir(kind: str) -> Path:
     from rlcli.home import rlcli_home
 
     return rlcli_home() / "runs" / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def check_minimums(checks) -> None:
-    """``checks``: (flag, value, lowest allowed) triples; the first one below its bound fails."""
-    for flag, value, low in checks:
-        if value < low:
-            raise RlcliError(f"{flag} {value}: must be at least {low}")
 
 
 def metric_values(run_dir: Path, *keys: str) -> dict[str, list[float]]:
@@ -74,28 +60,6 @@ def metric_values(run_dir: Path, *keys: str) -> dict[str, list[float]]:
     return {
         key: [float(r[key]) for r in rows if isinstance(r.get(key), int | float)] for key in keys
     }
-
-
-def resume_command(command: str, options, run_dir: str) -> str:
-    """The command that continues the run in ``run_dir`` with the same settings."""
-    import dataclasses
-
-    return command_line(command, dataclasses.replace(options, log_path=run_dir))
-
-
-def command_line(command: str, options) -> str:
-    """The ``rlcli`` command that reproduces ``options`` (a dataclass): every flag whose value
-    differs from its default, so a resume runs with the same settings."""
-    import dataclasses
-    import shlex
-
-    parts = command.split()
-    for f in dataclasses.fields(options):
-        value = getattr(options, f.name)
-        if value is None or (f.default is not dataclasses.MISSING and value == f.default):
-            continue
-        parts += [f"--{f.name.replace('_', '-')}", str(value)]
-    return shlex.join(parts)
 
 
 def write_spec(run_dir: Path, spec: dict) -> None:
