@@ -66,9 +66,14 @@ def create_app(settings: Settings) -> FastAPI:
     guarded = [Depends(check_api_key)]
     app.include_router(routes_service.public)
     app.include_router(routes_rest.public)
-    for module in (routes_service, routes_training, routes_sampling, routes_checkpoints):
+    for module in (
+        routes_service,
+        routes_training,
+        routes_sampling,
+        routes_checkpoints,
+        routes_rest,
+    ):
         app.include_router(module.router, dependencies=guarded)
-    app.include_router(routes_rest.router, dependencies=guarded)
 
     @app.exception_handler(UserError)
     async def user_error(request: Request, exc: UserError):
