@@ -92,6 +92,12 @@ def main() -> None:
         sys.exit(130)
     except BrokenPipeError:
         _quiet_exit(141)
+    except SystemExit:
+        try:  # output still buffered for a pipe that has closed (`rlcli ... --json | head -1`)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _quiet_exit(141)
+        raise
 
 
 if __name__ == "__main__":

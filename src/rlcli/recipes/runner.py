@@ -266,6 +266,11 @@ def run_recipe(
         what, code = stop_reason
         raise RlcliError(f"{what}; stopped the run. Resume with: {resume_hint}", exit_code=code)
     if child.returncode != 0:
+        gone = watch._check() if watch is not None else None  # did the recipe fail for that?
+        if gone:
+            raise RlcliError(
+                f"the server at {base_url} {gone}; the run failed. Resume with: {resume_hint}"
+            )
         raise RlcliError(_failure(run_dir, child.returncode))
     try:
         return json.loads((run_dir / SUMMARY).read_text())
