@@ -295,16 +295,18 @@ def start_detached(
         while failure is None:
             exit_code = process.poll()
             if exit_code is not None:
-                failure = f"the server exited while starting (exit code {exit_code})"
+                failure = f"the server exited while starting (exit code {exit_code}): "
+                failure += str(last_error_line(log, offset))
                 break
             healthy, detail = health(record.base_url, timeout=1.0)
             if healthy:
                 return record, True
             if not detail.startswith("no answer") and detail != LOADING:
-                failure = f"the server failed while starting ({detail[:200]})"
+                failure = f"the server failed while starting: {detail}"
                 break
             if time.monotonic() >= deadline:
-                failure = f"the server did not become healthy within --wait {wait:g}s"
+                failure = f"the server did not become healthy within --wait {wait:g}s: "
+                failure += str(last_error_line(log, offset))
                 break
             time.sleep(0.3)
     except BaseException:  # Ctrl-C while waiting: leave nothing behind
@@ -313,7 +315,10 @@ def start_detached(
         raise
     _kill_group(process.pid, grace=3)
     _remove_record_of(home, process.pid)
-    raise RlcliError(f"{failure}: {last_error_line(log, offset)} (log: {log})")
+    one_line = " ".join(failure.split())
+    if len(one_line) > 500:
+        one_line = one_line[:497] + "..."
+    raise RlcliError(f"{one_line} (log: {log})")
 
 
 def run_foreground(
