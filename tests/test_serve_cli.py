@@ -231,6 +231,7 @@ def test_a_server_that_cannot_load_fails_start_and_leaves_nothing(
     assert took < 60  # noticed when the engine failed, not at the end of --wait
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "failed while starting" in errors[0], result.stderr
+    assert result.stderr.strip().splitlines()[-1] == errors[0]  # one line, nothing after it
     assert "Traceback" not in result.stderr
     assert not (home / "server.json").exists()
     assert not _listening(port)
