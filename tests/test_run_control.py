@@ -115,7 +115,8 @@ def _holds(pid: int, path: Path) -> bool:
         return False
 
 
-def test_a_server_that_dies_mid_run_is_noticed_and_named(tmp_path, tiny_model, chats):
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_a_server_that_dies_mid_run_is_noticed_and_named(tmp_path, tiny_model, chats, how):
     home = tmp_path / "srv"
     record = start_server(home, tiny_model)
     run_dir = tmp_path / "run"
@@ -123,20 +124,25 @@ def test_a_server_that_dies_mid_run_is_noticed_and_named(tmp_path, tiny_model, c
     try:
         wait_for_steps(run_dir, 3, proc)
         assert recipe_children(run_dir)
-        os.killpg(record.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        code = proc.wait(timeout=90)
-        noticed = time.monotonic() - killed
+        # killed: nothing listens any more; frozen (SIGSTOP): connections hang unanswered
+        os.killpg(record.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        stopped = time.monotonic()
+        code = proc.wait(timeout=120)
+        noticed = time.monotonic() - stopped
     finally:
         if proc.poll() is None:
             proc.kill()
+        if how == "frozen":
+            os.killpg(record.pid, signal.SIGKILL)
+            os.killpg(record.pid, signal.SIGCONT)
     stderr = err.read_text()
-    print(f"noticed the dead server in {noticed:.1f}s")
+    print(f"noticed the {how} server in {noticed:.1f}s")
     assert code == 1 and noticed < 60
     errors = error_lines(stderr)
     assert len(errors) == 1, stderr[-2000:]
     line = errors[0]
     assert f"the server at {record.base_url} stopped answering" in line
+    assert ("Timeout" in line) == (how == "frozen")
     assert "Resume with: " in line and f"--log-path {run_dir}" in line
     assert line.split("Resume with: ")[1].startswith("rlcli train sl ")
     assert "Traceback" not in stderr
