@@ -165,7 +165,7 @@ SIGNAL_WHAT = {
     signal.SIGINT: "interrupted (Ctrl-C)",
     signal.SIGTERM: "stopped by SIGTERM",
     signal.SIGHUP: "stopped by SIGHUP (terminal closed)",
-    signal.SIGPIPE: "stopped: the output pipe was closed",
+    signal.SIGPIPE: "the output pipe was closed",
 }
 
 
