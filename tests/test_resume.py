@@ -201,3 +201,27 @@ def test_rl_checkpoints_hold_exactly_the_steps_before_their_batch(tmp_path, serv
     assert [r["batch"] for r in saved] == [1, 2, 3, 3]  # 000001..000003, final
     for record in saved:
         assert optimizer_steps(server, record["state_path"]) == record["batch"], record
+
+
+def test_the_run_hooks_still_find_their_seams_in_the_cookbook():
+    """compat.install_run_hooks patches these by name; a cookbook bump that renames or
+    reshapes one would silently drop progress (or the exact-resume shift): fail here instead."""
+    import inspect
+
+    from tinker_cookbook import checkpoint_utils
+    from tinker_cookbook.rl import train as rl_train
+    from tinker_cookbook.supervised import train as sl_train
+
+    sync = inspect.getsource(rl_train.do_sync_training)
+    assert 'desc=f"Sampling batch {i_batch}"' in sync
+    assert "do_group_rollout_and_filter_constant_reward(" in sync
+    assert list(inspect.signature(rl_train.gather_with_progress).parameters) == [
+        "coroutines",
+        "desc",
+    ]
+    manager = checkpoint_utils.CheckpointManager
+    for name in ("maybe_save_async", "save_periodic_async", "save_final_async"):
+        assert inspect.iscoroutinefunction(getattr(manager, name)), name
+    sl_main = inspect.getsource(sl_train.main)
+    assert "await checkpoint_mgr.maybe_save_async(" in sl_main
+    assert '"batch": submitted.batch_idx' in sl_main
