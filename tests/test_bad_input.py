@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import httpx
 import pytest
 import tinker
 from tinker import types
@@ -43,31 +44,31 @@ def _assert_still_serves(server, trainer) -> None:
 CASES = [
     pytest.param(
         lambda: ([_datum()], "no_such_loss", None),
-        tinker.BadRequestError,
+        tinker.UnprocessableEntityError,
         ["unknown loss 'no_such_loss'", "supported:", "gspo", "cross_entropy"],
         id="unknown-loss",
     ),
     pytest.param(
         lambda: ([_datum(tokens=(5, 6, 99999, 8))], "cross_entropy", None),
-        tinker.BadRequestError,
+        tinker.UnprocessableEntityError,
         ["data[0].model_input[2]", "99999", "outside the vocabulary"],
         id="token-id-outside-vocab",
     ),
     pytest.param(
         lambda: ([_datum(), _datum(target_tokens=[1, 2, 3, -4])], "cross_entropy", None),
-        tinker.BadRequestError,
+        tinker.UnprocessableEntityError,
         ["data[1].loss_fn_inputs.target_tokens[3]", "-4"],
         id="target-token-outside-vocab",
     ),
     pytest.param(
         lambda: ([_datum(weights=[1.0, 1.0, 1.0])], "cross_entropy", None),
-        tinker.BadRequestError,
+        tinker.UnprocessableEntityError,
         ["data[0].loss_fn_inputs.weights", "shape [3], expected [4]"],
         id="wrong-shape",
     ),
     pytest.param(
         lambda: ([_rl_datum(advantages=None)], "ppo", None),
-        tinker.BadRequestError,
+        tinker.UnprocessableEntityError,
         ["data[0].loss_fn_inputs.advantages: missing", "'ppo'"],
         id="missing-loss-input",
     ),
@@ -77,13 +78,13 @@ CASES = [
             "importance_sampling",
             None,
         ),
-        tinker.BadRequestError,
+        tinker.UnprocessableEntityError,
         ["data[0].loss_fn_inputs.advantages", "NaN"],
         id="nan-advantage",
     ),
     pytest.param(
         lambda: ([_rl_datum()], "ppo", {"clip_epsilon": 0.2}),
-        tinker.BadRequestError,
+        tinker.UnprocessableEntityError,
         ["loss_fn_config", "clip_epsilon", "clip_high_threshold"],
         id="unknown-loss-config-key",
     ),
@@ -128,8 +129,10 @@ def test_api_key_is_enforced_when_set(tmp_path, tiny_model):
     record = start_server(tmp_path, tiny_model, api_key="tml-secret")
     try:
         wrong = tinker.ServiceClient(base_url=record.base_url, api_key="tml-wrong")
-        with pytest.raises(tinker.AuthenticationError, match="X-API-Key"):
+        with pytest.raises(tinker.PermissionDeniedError, match="X-API-Key: wrong"):
             wrong.create_lora_training_client(base_model=str(tiny_model), rank=4)
+        missing = httpx.post(record.base_url + "/api/v1/create_session", json={}, timeout=10)
+        assert missing.status_code == 401 and "missing" in missing.json()["detail"]
         good = tinker.ServiceClient(base_url=record.base_url, api_key="tml-secret")
         trainer = good.create_lora_training_client(base_model=str(tiny_model), rank=4)
         assert trainer.forward([_datum()], "cross_entropy").result().metrics["loss:sum"] > 0

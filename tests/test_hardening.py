@@ -48,7 +48,8 @@ def _raw(server, method: str, path: str, **kwargs) -> httpx.Response:
 def _refused(call) -> str:
     """Run ``call``; it must fail as a user error (400 at submit, or a future failed with
     category user). Returns the message."""
-    with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError)) as info:
+    refusals = (tinker.BadRequestError, tinker.UnprocessableEntityError, tinker.RequestFailedError)
+    with pytest.raises(refusals) as info:
         call()
     if isinstance(info.value, tinker.RequestFailedError):
         assert info.value.category == tinker.types.RequestErrorCategory.User, info.value
@@ -130,7 +131,7 @@ def test_bad_loss_config_and_adam_values_are_400s_naming_the_field(
             content=raw_body % model_id,
             headers={"content-type": "application/json"},
         )
-        assert response.status_code == 400, response.text
+        assert response.status_code == 422, response.text
         assert field in response.json()["detail"]
     assert math.isfinite(_ce_loss(trainer, tokens))
 
@@ -186,15 +187,42 @@ def test_top_k_cross_entropy_returns_n_by_k_logprobs(service, tiny_model, tokens
     assert math.isfinite(trainer.optim_step(ADAM).result().metrics["grad_norm:mean"])
 
 
-def test_load_state_into_a_trained_client_is_refused(service, tiny_model, tokens):
+def test_load_state_must_be_a_clients_first_request(service, tiny_model, tokens):
+    """As on Tinker (and SkyRL): loading into a client that has done anything is a 400."""
     trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=7)
     path = trainer.save_state("fresh").result().path
-    trainer.forward_backward([_datum(tokens)], "cross_entropy").result()
-    trainer.optim_step(ADAM).result()
     message = _refused(lambda: trainer.load_state(path).result())
     assert "not permitted" in message and "create_training_client_from_state" in message
+    trainer.forward_backward([_datum(tokens)], "cross_entropy").result()
+    trainer.optim_step(ADAM).result()
+    assert "not permitted" in _refused(lambda: trainer.load_state(path).result())
     restored = service.create_training_client_from_state(path)  # the way that works
     assert math.isfinite(_ce_loss(restored, tokens))
+
+
+def test_a_retried_request_runs_once(server, service, tiny_model, tokens):
+    """The SDK resends a request (same seq_id) after a dropped connection: it must get the
+    original future, not apply the optimizer step twice."""
+    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=13)
+    trainer.forward_backward([_datum(tokens)], "cross_entropy").result()
+    body = {"model_id": trainer.model_id, "adam_params": {"learning_rate": 0.01}, "seq_id": 100}
+    first = _raw(server, "POST", "/api/v1/optim_step", json=body).json()
+    again = _raw(server, "POST", "/api/v1/optim_step", json=body).json()
+    assert again["request_id"] == first["request_id"]
+    changed = {**body, "adam_params": {"learning_rate": 0.5}}
+    conflict = _raw(server, "POST", "/api/v1/optim_step", json=changed)
+    assert conflict.status_code == 409 and "reused" in conflict.json()["detail"]
+    result = _raw(
+        server, "POST", "/api/v1/retrieve_future", json={"request_id": first["request_id"]}
+    ).json()
+    assert result["metrics"]["grad_norm:mean"] > 0
+    # Only one step ran: the next step has no gradient left to apply.
+    fresh = {**body, "seq_id": 101}
+    second = _raw(server, "POST", "/api/v1/optim_step", json=fresh).json()
+    result = _raw(
+        server, "POST", "/api/v1/retrieve_future", json={"request_id": second["request_id"]}
+    ).json()
+    assert result["metrics"]["grad_norm:mean"] == 0.0
 
 
 def test_load_state_with_other_target_modules_changes_nothing(service, tiny_model, tokens):
@@ -202,21 +230,32 @@ def test_load_state_with_other_target_modules_changes_nothing(service, tiny_mode
     full.forward_backward([_datum(tokens)], "cross_entropy").result()
     full.optim_step(ADAM).result()
     path = full.save_state("full").result().path
-    attn_only = service.create_lora_training_client(
-        base_model=str(tiny_model), rank=4, seed=8, train_mlp=False, train_unembed=False
-    )
-    before = _ce_loss(attn_only, tokens)
-    message = _refused(lambda: attn_only.load_state_with_optimizer(path).result())
+    def attn_only():
+        return service.create_lora_training_client(
+            base_model=str(tiny_model), rank=4, seed=8, train_mlp=False, train_unembed=False
+        )
+
+    before = _ce_loss(attn_only(), tokens)  # a twin: same seed, same initial weights
+    client = attn_only()
+    message = _refused(lambda: client.load_state_with_optimizer(path).result())
     assert "adapts" in message
-    assert _ce_loss(attn_only, tokens) == before
+    assert _ce_loss(client, tokens) == before
 
 
-def test_deleting_a_bare_checkpoint_id_is_a_400_naming_the_form(server, service, tiny_model):
+def test_a_bare_checkpoint_id_is_a_400_naming_the_form(server, service, tiny_model):
     trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=9)
     trainer.save_state("bare").result()
-    response = _raw(server, "DELETE", f"/api/v1/training_runs/{trainer.model_id}/checkpoints/bare")
-    assert response.status_code == 400
-    assert "weights/<name>" in response.json()["detail"]
+    base = f"/api/v1/training_runs/{trainer.model_id}/checkpoints/bare"
+    for method, path in (
+        ("DELETE", base),
+        ("GET", base + "/archive"),
+        ("POST", base + "/publish"),
+        ("DELETE", base + "/publish"),
+        ("PUT", base + "/ttl"),
+    ):
+        response = _raw(server, method, path, json={"ttl_seconds": 5})
+        assert response.status_code == 400, (method, path, response.text)
+        assert "weights/<name>" in response.json()["detail"]
 
 
 def test_max_tokens_zero_gives_no_tokens_alone_and_batched(service, tiny_model, tokens):
@@ -322,9 +361,11 @@ def test_checkpoint_ttl_publish_and_unpublish(server, service, tiny_model):
     kept = trainer.save_state("kept").result().path
     rest = service.create_rest_client()
     rest.publish_checkpoint_from_tinker_path(kept).result()
+    rest.publish_checkpoint_from_tinker_path(kept).result(timeout=30)  # idempotent, not a 409
     listed = rest.list_checkpoints(trainer.model_id).result().checkpoints
     assert {c.tinker_path: c.public for c in listed}[kept] is True
     rest.unpublish_checkpoint_from_tinker_path(kept).result()
+    rest.unpublish_checkpoint_from_tinker_path(kept).result(timeout=30)
     rest.set_checkpoint_ttl_from_tinker_path(kept, 3600).result()
     time.sleep(1.5)
     listed = {
@@ -334,3 +375,13 @@ def test_checkpoint_ttl_publish_and_unpublish(server, service, tiny_model):
     assert listed[kept].public is False and listed[kept].expires_at is not None
     response = _raw(server, "POST", "/api/v1/weights_info", json={"tinker_path": short})
     assert response.status_code == 404
+
+
+def test_runs_and_sessions_list_newest_first_with_paging(server, service, tiny_model):
+    newest = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=14)
+    rest = service.create_rest_client()
+    runs = rest.list_training_runs(limit=2).result()
+    assert runs.training_runs[0].training_run_id == newest.model_id
+    assert len(runs.training_runs) <= 2
+    sessions = rest.list_sessions(limit=1).result().sessions
+    assert len(sessions) == 1

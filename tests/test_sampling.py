@@ -137,10 +137,10 @@ def test_concurrent_requests_all_complete(trained):
 def test_sampling_bad_input_answers_4xx(server, service, tiny_model, trained):
     trainer, _, prompt = trained
     sampler = trainer.save_weights_and_get_sampling_client()
-    with pytest.raises(tinker.BadRequestError, match="exceeds the model's context of 4096"):
+    with pytest.raises(tinker.UnprocessableEntityError, match="exceeds the model's context"):
         sampler.sample(prompt, 1, types.SamplingParams(max_tokens=100_000)).result()
     bad = types.ModelInput.from_ints([5, 99999])
-    with pytest.raises(tinker.BadRequestError, match=r"prompt\[1\]: token id 99999"):
+    with pytest.raises(tinker.UnprocessableEntityError, match=r"prompt\[1\]: token id 99999"):
         sampler.sample(bad, 1, types.SamplingParams(max_tokens=2)).result()
     with pytest.raises(tinker.NotFoundError, match="no checkpoint at tinker://"):
         service.create_sampling_client(model_path="tinker://no-such-run/sampler_weights/x")

@@ -59,9 +59,11 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.exit_code = 0
 
     async def check_api_key(request: Request) -> None:
-        key = settings.api_key
-        if key and request.headers.get("x-api-key") != key:
-            raise HTTPException(401, "X-API-Key: wrong or missing API key")
+        key, sent = settings.api_key, request.headers.get("x-api-key")
+        if key and sent is None:
+            raise HTTPException(401, "X-API-Key: missing; this server needs an API key")
+        if key and sent != key:
+            raise HTTPException(403, "X-API-Key: wrong API key")
 
     guarded = [Depends(check_api_key)]
     app.include_router(routes_service.public)
@@ -77,11 +79,11 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(UserError)
     async def user_error(request: Request, exc: UserError):
-        return JSONResponse({"detail": str(exc)}, 400)
+        return JSONResponse({"detail": str(exc)}, exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError):
-        return JSONResponse({"detail": first_error(exc.errors())}, 400)
+        return JSONResponse({"detail": first_error(exc.errors())}, 422)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):

@@ -41,23 +41,29 @@ async def save_weights_for_sampler(body: SaveWeights, state: State):
     record = state.model(body.model_id)
     sampler_id = f"sampler-{uuid.uuid4()}"
     key = f"ephemeral:{sampler_id}"
-    future = state.submit(ops.SnapshotSampler(body.model_id, key, None), body.model_id)
+    retry = bool(body.seq_id) and body.seq_id in record.seen  # its session exists already
+    op = ops.SnapshotSampler(body.model_id, key, None)
+    future = state.submit_for(record, op, body.seq_id, body.model_dump_json().encode())
+    if retry:
+        return future
     state.add_sampling_session(sampler_id, SamplerRef(key, record.base_model, record.session_id))
     return future
 
 
 @router.post("/load_weights")
 async def load_weights(body: LoadWeights, state: State):
-    if state.model(body.model_id).trained:
+    record = state.model(body.model_id)
+    retry = bool(body.seq_id) and body.seq_id in record.seen  # answered by submit_for
+    if record.requests and not retry:
         raise HTTPException(
             400,
-            "load_weights into a training client that has already trained is not permitted; "
-            "create a new training client from the state instead "
-            "(ServiceClient.create_training_client_from_state)",
+            f"load_weights is not permitted with seq_id {body.seq_id}: loading a state must be "
+            "a training client's first request (as on Tinker); create a new training client "
+            "from the state instead (ServiceClient.create_training_client_from_state)",
         )
     _, folder = resolve_checkpoint(state, body.path)
     op = ops.LoadState(body.model_id, str(folder), body.optimizer, body.path)
-    return state.submit(op, body.model_id)
+    return state.submit_for(record, op, body.seq_id, body.model_dump_json().encode())
 
 
 @router.post("/weights_info")
@@ -93,4 +99,4 @@ def _save(state: ServerState, body: SaveWeights, kind: str) -> dict:
         op = ops.SaveState(body.model_id, folder, meta)
     else:  # also kept as sampler weights, so sampling from it needs no reload
         op = ops.SnapshotSampler(body.model_id, folder, folder, meta)
-    return state.submit(op, body.model_id)
+    return state.submit_for(record, op, body.seq_id, body.model_dump_json().encode())

@@ -101,7 +101,7 @@ def _find_checkpoint(state: ServerState, run_id: str, kind: str, name: str) -> t
 
 @router.get("/training_runs")
 async def list_training_runs(state: State, limit: int = 20, offset: int = 0):
-    runs = checkpoints.list_runs(state.checkpoints_root)
+    runs = checkpoints.list_runs(state.checkpoints_root)[::-1]  # newest first
     page = runs[max(0, offset) : max(0, offset) + max(0, limit)]
     return {
         "training_runs": [_run_json(state, r) for r in page],
@@ -129,7 +129,7 @@ async def list_all_checkpoints(state: State, limit: int = 100, offset: int = 0):
     root = state.checkpoints_root
     saved = [
         meta
-        for run in checkpoints.list_runs(root)
+        for run in checkpoints.list_runs(root)[::-1]  # newest runs first
         for meta in checkpoints.list_checkpoints(root, run["training_run_id"])
     ]
     page = saved[max(0, offset) : max(0, offset) + max(0, limit)]
@@ -140,7 +140,12 @@ async def list_all_checkpoints(state: State, limit: int = 100, offset: int = 0):
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id}")
-async def delete_bare_checkpoint_id(run_id: str, checkpoint_id: str):
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id}/archive")
+@router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id}/publish")
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id}/publish")
+@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id}/ttl")
+async def bare_checkpoint_id(run_id: str, checkpoint_id: str):
+    """A checkpoint id without its kind (``0001`` for ``weights/0001``): say the form."""
     raise HTTPException(
         400,
         f"checkpoint_id: {checkpoint_id!r} needs its kind: weights/<name> or "
@@ -160,17 +165,15 @@ async def delete_checkpoint(run_id: str, kind: str, name: str, state: State):
 
 @router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", status_code=204)
 async def publish_checkpoint(run_id: str, kind: str, name: str, state: State):
+    # Idempotent: publishing a public checkpoint is a success, not a 409 (which tinker 0.25
+    # retries for minutes).
     _, version = _find_checkpoint(state, run_id, kind, name)
-    if (checkpoints.read_meta(version) or {}).get("public"):
-        raise HTTPException(409, "the checkpoint is already public")
     checkpoints.update_meta(version, public=True)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", status_code=204)
 async def unpublish_checkpoint(run_id: str, kind: str, name: str, state: State):
     _, version = _find_checkpoint(state, run_id, kind, name)
-    if not (checkpoints.read_meta(version) or {}).get("public"):
-        raise HTTPException(409, "the checkpoint is not public")
     checkpoints.update_meta(version, public=False)
 
 

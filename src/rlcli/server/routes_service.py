@@ -92,8 +92,9 @@ async def get_server_capabilities(state: State):
 
 
 @router.get("/sessions")
-async def list_sessions(state: State):
-    return {"sessions": list(state.sessions)}
+async def list_sessions(state: State, limit: int = 20, offset: int = 0):
+    newest_first = list(state.sessions)[::-1]
+    return {"sessions": newest_first[max(0, offset) : max(0, offset) + max(0, limit)]}
 
 
 @router.get("/sessions/{session_id}")

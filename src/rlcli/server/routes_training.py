@@ -102,9 +102,7 @@ async def forward_backward(request: Request, state: State):
     op = ops.ForwardBackward(
         req.model_id, req.data, req.loss_fn, req.loss_fn_config, req.forward_only
     )
-    future = state.submit(op, req.model_id)
-    record.trained = record.trained or not req.forward_only
-    return future
+    return state.submit_for(record, op, req.seq_id, body)
 
 
 @router.post("/optim_step")
@@ -112,6 +110,4 @@ async def optim_step(body: OptimStep, state: State):
     state.engine_info()
     record = state.model(body.model_id)
     op = ops.OptimStep(body.model_id, body.adam_params.model_dump())
-    future = state.submit(op, body.model_id)
-    record.trained = True
-    return future
+    return state.submit_for(record, op, body.seq_id, body.model_dump_json().encode())

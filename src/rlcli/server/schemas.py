@@ -67,18 +67,21 @@ class AdamParams(Body):
 class OptimStep(Body):
     model_id: str
     adam_params: AdamParams = AdamParams()
+    seq_id: Int64 | None = None
 
 
 class SaveWeights(Body):
     model_id: str
     path: str | None = None
     ttl_seconds: Annotated[int, Field(ge=1, le=100 * 365 * 86400)] | None = None
+    seq_id: Int64 | None = None
 
 
 class LoadWeights(Body):
     model_id: str
     path: str
     optimizer: bool = False
+    seq_id: Int64 | None = None
 
 
 class WeightsInfo(Body):

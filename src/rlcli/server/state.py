@@ -8,6 +8,7 @@ routers stay declarative. It imports no torch.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -25,6 +26,7 @@ from rlcli.server.futures import FutureStore
 log = logging.getLogger("rlcli.server")
 
 MAX_SAMPLING_SESSIONS = 4096  # oldest dropped beyond this (each is a few hundred bytes)
+SEEN_REQUESTS = 256  # per training client: how far back a retried seq_id is recognised
 
 
 @dataclass
@@ -58,7 +60,9 @@ class ModelRecord:
     user_metadata: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     last_request: float = field(default_factory=time.time)
-    trained: bool = False  # a forward_backward or optim_step was queued: no load_state after
+    requests: int = 0  # operations queued for it (load_weights must be the first)
+    # seq_id -> (payload digest, the future answered): a retried request is not run twice.
+    seen: OrderedDict[int, tuple[str, dict]] = field(default_factory=OrderedDict)
 
 
 @dataclass
@@ -100,6 +104,32 @@ class ServerState:
         except EngineUnavailable as e:
             raise engine_gone(str(e)) from None
         return {"request_id": request_id, "model_id": model_id}
+
+    def submit_for(
+        self, record: ModelRecord, op: ops.Op, seq_id: int | None, payload: bytes
+    ) -> dict[str, Any]:
+        """Queue a training client's operation, at most once per ``seq_id``.
+
+        The SDK numbers each client's requests (``seq_id``) and resends the same request after
+        a dropped connection: that retry gets the original future instead of running again (a
+        twice-applied optimizer step would silently corrupt training). A ``seq_id`` reused for a
+        different payload is a 409."""
+        digest = hashlib.sha256(payload).hexdigest()
+        if seq_id:
+            seen = record.seen.get(seq_id)
+            if seen is not None:
+                if seen[0] == digest:
+                    return seen[1]
+                raise HTTPException(
+                    409, f"seq_id: sequence number {seq_id} was reused for a different request"
+                )
+        future = self.submit(op, record.model_id)
+        record.requests += 1
+        if seq_id:
+            record.seen[seq_id] = (digest, future)
+            while len(record.seen) > SEEN_REQUESTS:
+                record.seen.popitem(last=False)
+        return future
 
     def engine_info(self) -> dict[str, Any]:
         """The loaded model's facts; 503 while it is still loading (the client retries 5xx)."""
@@ -155,6 +185,7 @@ class ServerState:
                     del self.models[record.model_id]
                     if self.engine.healthy:
                         self.engine.submit(ops.RemoveAdapter(record.model_id))
+                    log.info("Auto-unloaded stale model %s; Deleted model", record.model_id)
             for sampler_id, ref in list(self.sampling_sessions.items()):
                 if ref.session_id == session.session_id:
                     del self.sampling_sessions[sampler_id]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from rlcli.server import losses
-from rlcli.server.errors import UserError
+from rlcli.server.errors import InvalidPayload
 from rlcli.server.wire import FwdBwdRequest
 
 # Keys some clients send alongside the loss inputs and that no loss reads (the cookbook's RL
@@ -14,7 +14,7 @@ from rlcli.server.wire import FwdBwdRequest
 IGNORED_INPUTS = {"mask"}
 
 
-class RequestError(UserError):
+class RequestError(InvalidPayload):
     """Invalid request; the message names the field."""
 
 

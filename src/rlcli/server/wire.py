@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlcli.compat import public_pb
-from rlcli.server.errors import UserError
+from rlcli.server.errors import InvalidPayload
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
 
 
-class WireError(UserError):
+class WireError(InvalidPayload):
     """A request body that cannot be decoded; the message names the field."""
 
 
