@@ -162,7 +162,7 @@ def test_renderer_and_loss_config_json_are_checked_in_a_dry_run(tiny_model):
     ("config", "expected"),
     [
         ('{"beta": 1}', "'beta'"),  # a key ppo does not take (the --help example of old)
-        ('{"clip_low_threshold": 5}', "refused by the server (400)"),  # above clip_high 1.2
+        ('{"clip_low_threshold": 5}', "refused by the server (422)"),  # above clip_high 1.2
     ],
 )
 def test_loss_config_is_refused_before_any_rollout(tmp_path, server, tiny_model, config, expected):

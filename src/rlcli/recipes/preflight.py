@@ -139,6 +139,9 @@ class Server:
         (400) here, not after the first batch of rollouts."""
         if not config:
             return
+        import contextlib
+
+        import httpx
         import tinker
         from tinker import types
 
@@ -158,6 +161,14 @@ class Server:
             trainer.forward([datum], loss, config).result()  # type: ignore[arg-type]
         except (tinker.BadRequestError, tinker.UnprocessableEntityError) as e:
             raise RlcliError(f"--loss-config {_json(config)}: {_detail(e)}") from None
+        finally:  # free the probe's adapter now, not at its session's timeout
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(
+                    f"{self.base_url.rstrip('/')}/api/v1/unload_model",
+                    json={"model_id": trainer.model_id},
+                    headers=endpoint.headers(),
+                    timeout=10,
+                )
 
 
 def _same_model(given: str, served: str) -> bool:
