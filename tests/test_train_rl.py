@@ -335,5 +335,5 @@ def test_probe_detects_a_loss_the_server_refuses(server, tiny_model):
     from rlcli.recipes import loss_guard
 
     loss_guard._probe(server.base_url, "ppo", "torch", str(tiny_model))  # served: no error
-    with pytest.raises(RlcliError, match=r"refused loss 'dppo' \(400\); losses it serves: cross"):
+    with pytest.raises(RlcliError, match=r"refused loss 'dppo' \(422\); losses it serves: cross"):
         loss_guard._probe(server.base_url, "dppo", "jax", str(tiny_model))
