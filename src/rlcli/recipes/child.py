@@ -4,7 +4,7 @@ First it ties its life to the ``rlcli`` process that started it: the kernel kill
 process dies (``PR_SET_PDEATHSIG``, checked against ``getppid`` right after, in case the parent
 died before the call), so a killed ``rlcli`` never leaves a recipe writing to the run folder.
 Then it installs the compat hooks (exact SL resume, progress) and reports what it is doing in
-``rlcli_status.json`` from its first second. A failure ends with one ``rlcli-error:`` line
+``rlcli_status.jsonl`` from its first second. A failure ends with one ``rlcli-error:`` line
 (the exception, and where the full log is), which the parent shows as the error.
 """
 
@@ -32,16 +32,16 @@ def tie_to_parent() -> None:
 
 
 class StatusFile:
-    """``rlcli_status.json``: the current phase, rewritten atomically (the parent polls it)."""
+    """``rlcli_status.jsonl``: one line per phase or count, appended (the parent follows it)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / STATUS
-        self.tmp = run_dir / f".{STATUS}.tmp"
 
     def __call__(self, phase: str, **fields) -> None:
+        line = json.dumps({"phase": phase, "time": time.time(), **fields}) + "\n"
         try:
-            self.tmp.write_text(json.dumps({"phase": phase, "time": time.time(), **fields}))
-            self.tmp.replace(self.path)
+            with self.path.open("a") as f:  # one write of one short line: never interleaved
+                f.write(line)
         except OSError:  # progress is best effort; never fail a run over it
             pass
 

@@ -1,8 +1,9 @@
 """What a running recipe shows: one line per step, and what it is doing between steps.
 
 Steps come from the cookbook's ``metrics.jsonl``; the phases in between (starting, sampling
-rollouts k/N, saving a checkpoint, the held-out loss) from ``rlcli_status.json``, which the
-child process rewrites as it goes (``child.py`` and the hooks in ``compat.py``). On a terminal
+rollouts k/N, saving a checkpoint, the held-out loss) from ``rlcli_status.jsonl``, to which the
+child process appends one line per event (``child.py`` and the hooks in ``compat.py``): a log,
+not a snapshot, so a phase shorter than one poll is still shown. On a terminal
 this is a Rich bar; otherwise (logs, CI, pipes) plain lines.
 
 Rates are measured between polls, never between rows read in the same poll (they share one
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-STATUS = "rlcli_status.json"
+STATUS = "rlcli_status.jsonl"
 MIN_RATE_WINDOW_S = 2.0  # below this, a rate is noise
 
 
@@ -67,12 +68,20 @@ class Rates:
         return tokens_per_s, elapsed / steps * max(total - self.step, 0)
 
 
-def read_status(run_dir: Path) -> dict:
+def read_events(run_dir: Path, seen: int) -> tuple[list[dict], int]:
+    """The status events after the first ``seen`` lines, and the new count."""
     try:
-        value = json.loads((run_dir / STATUS).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-    return value if isinstance(value, dict) else {}
+        lines = (run_dir / STATUS).read_text().splitlines()
+    except FileNotFoundError:
+        return [], seen
+    events = []
+    for line in lines[seen:]:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:  # still being written: read it next time
+            break
+        events.append(event if isinstance(event, dict) else {})
+    return events, seen + len(events)
 
 
 def describe_status(status: dict) -> str | None:
@@ -131,8 +140,16 @@ class Progress:
             text += f"  {line.tokens_per_s:.0f} tok/s"
         self.bar.update(self.task, completed=line.step, line=text)
 
+    def phases(self, events: list[dict]) -> None:
+        """Show each new phase in order; of a run of counts (rollouts k/N), only the last."""
+        for i, event in enumerate(events):
+            following = events[i + 1] if i + 1 < len(events) else None
+            if following and "done" in event and following.get("phase") == event.get("phase"):
+                continue
+            self.phase(event)
+
     def phase(self, status: dict) -> None:
-        """What the run is doing now (between steps), from ``rlcli_status.json``."""
+        """What the run is doing now (between steps), from ``rlcli_status.jsonl``."""
         text = describe_status(status)
         if not text or text == self._last_phase:
             return

@@ -3,7 +3,7 @@
 The recipe (``python -m rlcli.recipes.child <run_dir>``) writes the cookbook's usual files into
 the run folder; its console output goes to ``console.log`` there. This side:
 
-- follows ``metrics.jsonl`` and ``rlcli_status.json`` for progress (``progress.py``);
+- follows ``metrics.jsonl`` and ``rlcli_status.jsonl`` for progress (``progress.py``);
 - watches the server's health next to the recipe: the SDK retries a vanished server without
   end, so after ``HEALTH_FAILURES`` failed checks in a row the recipe is stopped and the
   error names the URL and the resume command;
@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from rlcli.errors import RlcliError
-from rlcli.recipes.progress import STATUS, Progress, Rates, StepLine, read_status
+from rlcli.recipes.progress import STATUS, Progress, Rates, StepLine, read_events
 
 __all__ = ["StepLine", "run_recipe", "lock_run_dir", "write_spec"]
 
@@ -123,7 +123,7 @@ class _HealthWatch(threading.Thread):
     def run(self) -> None:
         failures, checks, first = 0.0, 0, None
         while not self.stopped.wait(HEALTH_EVERY_S):
-            detail = self._check()
+            detail = self.check()
             if detail is None:
                 failures, checks, first = 0.0, 0, None
                 continue
@@ -137,7 +137,7 @@ class _HealthWatch(threading.Thread):
                 self.failure = f"{detail}; {checks} health checks failed over {took:.0f}s"
                 return
 
-    def _check(self) -> str | None:
+    def check(self) -> str | None:
         """None while the server is fine (or still loading its model); else what is wrong."""
         from rlcli import endpoint
 
@@ -148,7 +148,7 @@ class _HealthWatch(threading.Thread):
         if response.status_code == 404 and self.url.endswith("/healthz"):
             # A server without our health route (SkyRL): any authenticated answer will do.
             self.url = self.url.removesuffix("/healthz") + "/get_server_capabilities"
-            return self._check()
+            return self.check()
         if response.status_code == 200:
             return None
         try:
@@ -189,6 +189,7 @@ def run_recipe(
             base_url = json.loads((run_dir / SPEC).read_text())["options"]["base_url"]
     metrics = run_dir / "metrics.jsonl"
     seen = _count_lines(metrics)  # a resumed run already has rows
+    events_seen = 0
     (run_dir / SUMMARY).unlink(missing_ok=True)
     (run_dir / STATUS).unlink(missing_ok=True)
     env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
@@ -237,7 +238,8 @@ def run_recipe(
                 progress.update(StepLine(step, total_steps, values, tokens_per_s, eta))
             if rows:
                 rates.end_poll(now)
-            progress.phase(read_status(run_dir))
+            events, events_seen = read_events(run_dir, events_seen)
+            progress.phases(events)
             if child.poll() is not None:
                 rows, seen = _new_rows(metrics, seen)
                 if not rows:
@@ -269,7 +271,7 @@ def run_recipe(
         what, code = stop_reason
         raise RlcliError(f"{what}; stopped the run. Resume with: {resume_hint}", exit_code=code)
     if child.returncode != 0:
-        gone = watch._check() if watch is not None else None  # did the recipe fail for that?
+        gone = watch.check() if watch is not None else None  # did the recipe fail for that?
         if gone:
             raise RlcliError(
                 f"the server at {base_url} {gone}; the run failed. Resume with: {resume_hint}"
