@@ -87,6 +87,11 @@ def _run(folder: Path) -> int:
 
         status("starting: connecting to the server")
         summary = rl.run_in_child(spec)
+    elif spec["recipe"] == "opsd":
+        from rlcli.recipes import opsd
+
+        status("starting: connecting to the server")
+        summary = opsd.run_in_child(spec)
     else:
         print(f"rlcli-error: unknown recipe {spec['recipe']!r}", flush=True)
         return 2
