@@ -17,10 +17,11 @@ from pathlib import Path
 import typer
 
 from rlcli.cli._output import emit, info
-from rlcli.recipes import options, preflight, rl, sl
+from rlcli.recipes import opsd, options, preflight, rl, sl
 
 app = typer.Typer(
-    help="Train: supervised fine-tuning (sl), RL on GSM8K (rl).", no_args_is_help=True
+    help="Train: supervised fine-tuning (sl), RL on GSM8K (rl), self-distillation (opsd).",
+    no_args_is_help=True,
 )
 
 
@@ -127,4 +128,11 @@ options.typer_command(
     rl.RLOptions,
     lambda opts: _train(rl, opts),
     help="RL on GSM8K with the cookbook's RL recipe; every loss, fused on the server.",
+)
+options.typer_command(
+    app,
+    "opsd",
+    opsd.OpsdOptions,
+    lambda opts: _train(opsd, opts),
+    help="On-policy self-distillation from a prompts file: a teacher's reverse KL, no reward.",
 )

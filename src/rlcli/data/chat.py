@@ -28,13 +28,15 @@ class LineError:
 class DataError(RlcliError):
     """A dataset with bad lines; ``errors`` holds each one."""
 
-    def __init__(self, source: str, errors: list[LineError], total: int) -> None:
+    def __init__(
+        self, source: str, errors: list[LineError], total: int, what: str = "chat data"
+    ) -> None:
         self.source, self.errors, self.total = source, errors, total
         shown = "\n  ".join(str(e) for e in errors[:MAX_REPORTED])
         more = len(errors) - MAX_REPORTED
         tail = f"\n  ... and {more} more" if more > 0 else ""
         super().__init__(
-            f"{source}: {len(errors)} of {total} lines are not usable chat data; "
+            f"{source}: {len(errors)} of {total} lines are not usable {what}; "
             f"nothing was sent:\n  {shown}{tail}"
         )
 

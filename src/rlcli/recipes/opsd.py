@@ -1,0 +1,392 @@
+"""On-policy self-distillation from a prompts file: rlcli's layer over the cookbook's
+``distillation.train_on_policy``.
+
+The student samples answers to the prompts; a teacher (by default the student's own base model,
+optionally seeing a ``--teacher-hint`` the student never sees) scores the student's tokens, and
+the negative reverse KL is each token's advantage for an ``importance_sampling`` update. No
+reward is needed. ``prepare`` validates the prompts and plans without a server; ``check_server``
+checks the student's and the teacher's servers; ``run_in_child`` runs the recipe with the
+teacher seam of ``compat.score_teachers_with`` (the hint, a teacher on another server, SkyRL's
+short logprob lists). The pedagogical version of the loop is the cookbook's
+``recipes/distillation/on_policy_distillation.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rlcli.data.prompts import read_prompts
+from rlcli.errors import RlcliError
+from rlcli.recipes.options import (
+    PolicyOptions,
+    TrainOptions,
+    option,
+    resume_command,
+    retune,
+    saved,
+)
+from rlcli.recipes.runner import default_run_dir, metric_values
+
+DATASET_FILE = "prompts.jsonl"  # stdin's prompts, kept in the run folder
+HINT_SEPARATOR = "\n\n"  # the teacher sees: hint, blank line, prompt
+TEACHER_KL = "teacher_kl"  # the cookbook's per-step mean reverse KL(student || teacher)
+SAMPLED_TOKENS = "env/all/total_ac_tokens"
+
+
+@dataclass(kw_only=True)
+class OpsdOptions(PolicyOptions):
+    dataset: str = option(help="Prompts JSONL ({'prompt'} or {'messages'}) or - for stdin.")
+    teacher: str | None = option(
+        None,
+        "Teacher: a base model, or a tinker:// sampler checkpoint of --model (default: --model).",
+    )
+    teacher_base_url: str | None = option(
+        None, "Server that hosts the teacher (default: the student's server)."
+    )
+    teacher_hint: str | None = option(
+        None, "Text only the teacher sees before each prompt (hint, blank line, prompt)."
+    )
+    kl_coef: float = option(1.0, "Weight of the negative reverse KL in the advantages.", gt=0)
+    kl_discount: float = option(
+        0.0, "Discount summing future per-token KL into each advantage (0: per token).", min=0, lt=1
+    )
+    batch_size: int = option(32, "Prompts per step.", min=1)
+    group_size: int = retune(PolicyOptions, "group_size", 4)
+    max_tokens: int = retune(PolicyOptions, "max_tokens", 1024)
+    lr: float = retune(TrainOptions, "lr", 1e-4)
+    max_steps: int | None = option(
+        None, "Stop after this many steps (default: one pass over the prompts).",
+        flags=("--steps",), min=1,
+    )  # fmt: skip
+
+
+@dataclass
+class OpsdPlan:
+    run_dir: str
+    dataset_path: str
+    prompts: int
+    prompts_with_context: int
+    prompts_per_step: int
+    samples_per_step: int
+    steps: int
+    teacher_model: str
+    teacher_checkpoint: str | None
+    teacher_sees_hint: bool
+    renderer: str
+    renderer_source: str
+    resuming: bool
+
+
+def run_dir_of(opts: OpsdOptions) -> Path:
+    return Path(opts.log_path).expanduser() if opts.log_path else default_run_dir("opsd")
+
+
+def load_prompts(opts: OpsdOptions, run_dir: Path, stdin) -> tuple[list[dict], Path]:
+    """The validated prompts and the file the recipe will read (stdin: kept in the run folder
+    by ``commit``, once every check passed; a resumed run with nothing on stdin reuses it)."""
+    kept = run_dir / DATASET_FILE
+    if opts.dataset == "-":
+        text = "" if stdin is None or stdin.isatty() else stdin.read()
+        if not text.strip() and kept.exists():
+            return read_prompts(kept.open(), str(kept)), kept
+        return read_prompts(text.splitlines(), "stdin"), kept
+    path = Path(opts.dataset).expanduser()
+    if not path.is_file():
+        raise RlcliError(f"--dataset {opts.dataset}: no such file")
+    with path.open(encoding="utf-8", errors="replace") as f:
+        return read_prompts(f, str(path)), path.resolve()
+
+
+def as_line(prompt: dict) -> dict:
+    """A prompt as a ``{"messages"}`` line that ``read_prompts`` reads back unchanged."""
+    return {"messages": [*prompt["context"], {"role": "user", "content": prompt["prompt"]}]}
+
+
+def teacher_of(opts: OpsdOptions) -> tuple[str, str | None]:
+    """(the teacher's base model, its sampler checkpoint or None)."""
+    teacher = opts.teacher or opts.model
+    if teacher.startswith("tinker://"):
+        return opts.model, teacher
+    return teacher, None
+
+
+def prepare(opts: OpsdOptions, stdin=None, dry_run: bool = False) -> tuple[OpsdPlan, list[dict]]:
+    """Check flags, model, renderer and every prompt, and count the steps; no server, no writes."""
+    from rlcli.compat import resolve_renderer
+    from rlcli.recipes import loss_guard
+    from rlcli.recipes.preflight import check_model_arg, check_renderer
+    from rlcli.recipes.rl import parse_loss_config
+
+    parse_loss_config(opts.loss_config)
+    loss_guard.check_backend_hint(opts.backend, opts.loss)
+    if opts.kl_penalty_coef or opts.kl_reference:
+        raise RlcliError(
+            "--kl-penalty-coef/--kl-reference: not used by opsd (the teacher's KL weight is "
+            "--kl-coef)"
+        )
+    if opts.eval_every:
+        raise RlcliError("--eval-every: opsd has no evaluation set; leave it at 0")
+    if opts.init_checkpoint and not opts.init_checkpoint.startswith("tinker://"):
+        raise RlcliError(f"--init-checkpoint {opts.init_checkpoint}: expected a tinker:// path")
+    if opts.teacher_hint is not None and not opts.teacher_hint.strip():
+        raise RlcliError("--teacher-hint: empty; give the text the teacher should see")
+    check_model_arg(opts.model)
+    check_renderer(opts.renderer)
+    teacher_model, teacher_checkpoint = teacher_of(opts)
+    if teacher_model != opts.model and not teacher_checkpoint:
+        try:
+            check_model_arg(teacher_model)
+        except RlcliError as e:
+            raise RlcliError(str(e).replace("--model", "--teacher", 1)) from None
+    run_dir = run_dir_of(opts)
+    prompts, dataset_path = load_prompts(opts, run_dir, stdin)
+    renderer, source, _ = resolve_renderer(opts.model, opts.renderer)
+    steps = math.ceil(len(prompts) / opts.batch_size)  # the last batch may be partial
+    if opts.max_steps is not None:
+        steps = min(steps, opts.max_steps)
+    per_step = min(opts.batch_size, len(prompts))
+    plan = OpsdPlan(
+        run_dir=str(run_dir),
+        dataset_path=str(dataset_path),
+        prompts=len(prompts),
+        prompts_with_context=sum(1 for p in prompts if p["context"]),
+        prompts_per_step=per_step,
+        samples_per_step=per_step * opts.group_size,
+        steps=steps,
+        teacher_model=teacher_model,
+        teacher_checkpoint=teacher_checkpoint,
+        teacher_sees_hint=opts.teacher_hint is not None,
+        renderer=renderer,
+        renderer_source=source,
+        resuming=(run_dir / "checkpoints.jsonl").exists(),
+    )
+    return plan, prompts
+
+
+def check_server(server, opts: OpsdOptions, plan: OpsdPlan) -> str:
+    """The student's server: sampling length and the loss; then the teacher's server hosts
+    the teacher (its base model, and the checkpoint when one is named)."""
+    from rlcli import endpoint
+    from rlcli.recipes import loss_guard, preflight
+    from rlcli.recipes.rl import parse_loss_config
+
+    server.check_max_tokens(opts.max_tokens)
+    server.check_checkpoint(opts.init_checkpoint, "--init-checkpoint", "training")
+    config = parse_loss_config(opts.loss_config)
+    served_by = loss_guard.check_server(
+        server.base_url, opts.loss, opts.backend, opts.model, config
+    )
+    server.check_loss_config_values(opts.model, opts.loss, config)
+    teacher_url = (opts.teacher_base_url or server.base_url).rstrip("/")
+    teacher_server = server
+    if teacher_url != server.base_url:
+        endpoint.check_server(teacher_url, model=plan.teacher_model, source="--teacher-base-url")
+        teacher_server = preflight.Server(teacher_url)
+    check_teacher_model(teacher_server, plan.teacher_model, opts.teacher_base_url is not None)
+    teacher_server.check_checkpoint(plan.teacher_checkpoint, "--teacher", "sampler")
+    return served_by
+
+
+def check_teacher_model(server, model: str, own_url: bool) -> None:
+    """The teacher's server must host its base model: one line naming what it hosts."""
+    from rlcli.recipes.preflight import _same_model
+
+    served = [
+        m.get("model_name")
+        for m in server.caps.get("supported_models") or []
+        if isinstance(m, dict) and m.get("model_name")
+    ]
+    if not served or any(_same_model(model, s) for s in served):
+        return
+    where = "--teacher-base-url" if own_url else "the student's server (--base-url)"
+    raise RlcliError(
+        f"--teacher {model}: the server at {server.base_url} ({where}) hosts only "
+        f"{', '.join(served)}; start a server for the teacher (rlcli serve start --base-model "
+        f"{model} --port ...) and pass its URL as --teacher-base-url"
+    )
+
+
+def resolved(opts: OpsdOptions, plan: OpsdPlan, base_url: str) -> OpsdOptions:
+    """The options as the run uses them: servers, teacher, renderer and data file named."""
+    return dataclasses.replace(
+        opts, base_url=base_url, teacher_base_url=(opts.teacher_base_url or base_url).rstrip("/"),
+        teacher=opts.teacher or opts.model, renderer=plan.renderer, dataset=plan.dataset_path,
+        log_path=plan.run_dir,
+    )  # fmt: skip
+
+
+def commit(opts: OpsdOptions, plan: OpsdPlan, prompts: list[dict]) -> None:
+    """Keep stdin's prompts in the run folder (atomically) for the recipe and for resume."""
+    kept = Path(plan.dataset_path)
+    if opts.dataset != "-":
+        return
+    if kept.exists():
+        with kept.open() as f:
+            if read_prompts(f, str(kept)) == prompts:
+                return
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=kept.parent, prefix=".prompts.")
+    with os.fdopen(fd, "w") as f:
+        f.writelines(json.dumps(as_line(p), ensure_ascii=False) + "\n" for p in prompts)
+    os.replace(tmp, kept)
+
+
+def spec(opts: OpsdOptions, plan: OpsdPlan) -> dict:
+    """What the child process builds the recipe from (``opts``: resolved)."""
+    return {"recipe": "opsd", "options": saved(opts), "plan": asdict(plan)}
+
+
+def shuffled_prompts(path: str, seed: int) -> list[dict]:
+    """The prompts in the order the run sees them (shuffled by ``--seed``)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        prompts = read_prompts(f, path)
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+def cookbook_config(spec: dict):
+    from tinker_cookbook.distillation import train_on_policy
+    from tinker_cookbook.distillation.datasets import DistillationDatasetConfig, TeacherConfig
+
+    from rlcli.recipes.prompts_builder import PromptsBuilder
+
+    opts, plan = spec["options"], spec["plan"]
+    builder = PromptsBuilder(
+        dataset_path=plan["dataset_path"],
+        batch_size=opts["batch_size"],
+        group_size=opts["group_size"],
+        model_name_for_tokenizer=opts["model"],
+        renderer_name=plan["renderer"],
+        seed=opts["seed"],
+    )
+    if teacher_elsewhere(spec):  # scored by the teacher's own server (run_in_child)
+        teacher = TeacherConfig(base_model=opts["model"])
+    else:
+        teacher = TeacherConfig(
+            base_model=plan["teacher_model"], load_checkpoint_path=plan["teacher_checkpoint"]
+        )
+    return train_on_policy.Config(
+        learning_rate=opts["lr"],
+        dataset_configs=[
+            DistillationDatasetConfig(
+                dataset_builder=builder,
+                teacher_config=teacher,
+                groups_per_batch=opts["batch_size"],
+            )
+        ],
+        model_name=opts["model"],
+        recipe_name="rlcli_opsd",
+        renderer_name=plan["renderer"],
+        max_tokens=opts["max_tokens"],
+        temperature=opts["temperature"],
+        lora_rank=opts["lora_rank"],
+        kl_penalty_coef=opts["kl_coef"],
+        kl_discount_factor=opts["kl_discount"],
+        loss_fn=opts["loss"],
+        loss_fn_config=opts["loss_config"],
+        log_path=plan["run_dir"],
+        base_url=opts["base_url"],
+        eval_every=0,
+        save_every=opts["save_every"],
+        load_checkpoint_path=opts["init_checkpoint"],
+        max_steps=plan["steps"],
+        wandb_project=opts["wandb_project"],
+        wandb_name=opts["wandb_name"],
+    )
+
+
+def teacher_elsewhere(spec: dict) -> bool:
+    opts = spec["options"]
+    return opts["teacher_base_url"].rstrip("/") != opts["base_url"].rstrip("/")
+
+
+def hinted_prompts(spec: dict) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's tokens as the student sees them -> the tokens the teacher sees (the hint,
+    a blank line, then the prompt, in the same user turn, rendered by the same renderer)."""
+    from tinker_cookbook import renderers
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+    opts, plan = spec["options"], spec["plan"]
+    renderer = renderers.get_renderer(plan["renderer"], get_tokenizer(opts["model"]))
+    table = {}
+    for p in shuffled_prompts(plan["dataset_path"], 0):
+        student = [*p["context"], {"role": "user", "content": p["prompt"]}]
+        hinted = opts["teacher_hint"] + HINT_SEPARATOR + p["prompt"]
+        teacher = [*p["context"], {"role": "user", "content": hinted}]
+        key = tuple(renderer.build_generation_prompt(student).to_ints())
+        table[key] = renderer.build_generation_prompt(teacher).to_ints()
+    return table
+
+
+def make_teacher_seam(spec: dict):
+    """The function ``compat.score_teachers_with`` applies to the recipe's teacher client."""
+    from rlcli import compat
+
+    opts, plan = spec["options"], spec["plan"]
+    hinted = hinted_prompts(spec) if opts["teacher_hint"] is not None else None
+    remote = None
+    if teacher_elsewhere(spec):
+        import tinker
+
+        service = tinker.ServiceClient(base_url=opts["teacher_base_url"])
+        remote = service.create_sampling_client(
+            base_model=plan["teacher_model"], model_path=plan["teacher_checkpoint"]
+        )
+    teachers: dict[int, compat.Teacher] = {}
+
+    def teacher_for(client):
+        if id(client) not in teachers:
+            teachers[id(client)] = compat.Teacher(remote or client, hinted)
+        return teachers[id(client)]
+
+    return teacher_for
+
+
+def run_in_child(spec: dict) -> dict:
+    import asyncio
+
+    from tinker_cookbook import checkpoint_utils
+    from tinker_cookbook.distillation import train_on_policy
+
+    from rlcli import compat
+    from rlcli.recipes.rl import seed_sampling
+
+    config = cookbook_config(spec)
+    compat.score_teachers_with(make_teacher_seam(spec))
+    seed_sampling(spec["options"]["seed"])
+    asyncio.run(train_on_policy.main(config))
+    last = checkpoint_utils.get_last_checkpoint(config.log_path)
+    kl = metric_values(Path(config.log_path), TEACHER_KL)[TEACHER_KL]
+    return {
+        "run_dir": config.log_path,
+        "teacher": spec["options"]["teacher"],
+        "state_path": last.state_path if last else None,
+        "sampler_path": last.get("sampler_path") if last else None,
+        "first_teacher_kl": (kl or [None])[0],
+        "final_teacher_kl": (kl or [None])[-1],
+    }
+
+
+COMMAND = "rlcli train opsd"
+SHOW = {TEACHER_KL: "kl"}
+TOKENS_KEY = SAMPLED_TOKENS
+
+
+def describe(plan: OpsdPlan, served_by: str = "") -> str:
+    teacher = plan.teacher_checkpoint or plan.teacher_model
+    hint = " with the hint" if plan.teacher_sees_hint else ""
+    return (
+        f"{plan.prompts} prompts, {plan.steps} steps of {plan.samples_per_step} samples; "
+        f"teacher {teacher}{hint}"
+    )
+
+
+def resume_hint(opts: OpsdOptions, plan: OpsdPlan) -> str:
+    return resume_command(COMMAND, plan.run_dir)
