@@ -90,3 +90,27 @@ def test_renderer_fallback_for_models_outside_the_cookbook_tables(tmp_path):
     assert (name, why) == ("qwen3_instruct", "ChatML chat template") and tokenizer is not None
     name, why, _ = compat.resolve_renderer("Qwen/Qwen3-8B", None)
     assert name.startswith("qwen3") and why == "recommended for the model"
+
+
+def test_the_distillation_recipe_scores_through_the_seam_train_opsd_replaces():
+    """compat.score_teachers_with swaps the teacher clients that ``prepare_minibatch`` hands
+    to the module-level ``incorporate_kl_penalty``, which only calls
+    ``compute_logprobs_async`` on them and reads one value per token from position 1."""
+    import inspect
+
+    from tinker_cookbook.distillation import datasets, train_on_policy
+    from tinker_cookbook.rl.problem_env import ProblemGroupBuilder
+
+    params = list(inspect.signature(train_on_policy.incorporate_kl_penalty).parameters)
+    assert params[:2] == ["data_D", "teacher_clients_D"]
+    assert "incorporate_kl_penalty(" in inspect.getsource(train_on_policy.prepare_minibatch)
+    scoring = inspect.getsource(train_on_policy.incorporate_kl_penalty)
+    assert "teacher_client.compute_logprobs_async(sequence_input)" in scoring
+    assert "teacher_logprobs[1:]" in scoring
+    assert {"prompt", "renderer", "convo_prefix"} <= set(
+        inspect.signature(datasets.PromptOnlyEnv).parameters
+    )
+    assert {"env_thunk", "num_envs", "dataset_name"} <= set(
+        inspect.signature(ProblemGroupBuilder).parameters
+    )
+    assert "teacher_config.load_checkpoint_path" in inspect.getsource(train_on_policy.main)

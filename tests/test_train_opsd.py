@@ -152,3 +152,172 @@ def test_options_defaults_are_the_issues():
     o = OpsdOptions(model="m", dataset="d")
     assert (o.batch_size, o.group_size, o.lr, o.max_tokens) == (32, 4, 1e-4, 1024)
     assert (o.kl_coef, o.kl_discount, o.save_every, o.max_steps) == (1.0, 0.0, 20, None)
+
+
+# ---- the teacher seam, without a server -------------------------------------------------------
+
+
+class ScriptedTeacherClient:
+    """Stands in for a teacher sampling client's one call: logprob i of a sequence is
+    ``token / 1000`` (so positions are checkable), optionally one value short as SkyRL was."""
+
+    def __init__(self, short: bool = False) -> None:
+        self.short, self.seen = short, []
+
+    async def compute_logprobs_async(self, sequence):
+        tokens = sequence.to_ints()
+        self.seen.append(tokens)
+        values = [t / 1000 for t in tokens[1:]]
+        return values if self.short else [None, *values]
+
+
+def test_hinted_teacher_scores_the_answer_at_the_students_positions():
+    import asyncio
+
+    import tinker
+
+    from rlcli import compat
+
+    student_prompt, hinted_prompt, answer = [5, 6, 7], [9, 9, 9, 9, 5, 6, 7], [11, 12, 13]
+    for short in (False, True):
+        client = ScriptedTeacherClient(short=short)
+        teacher = compat.Teacher(client, {tuple(student_prompt): hinted_prompt})
+        sequence = tinker.ModelInput.from_ints(student_prompt + answer)
+        values = asyncio.run(teacher.compute_logprobs_async(sequence))
+        assert client.seen == [hinted_prompt + answer]
+        assert values == [None, 0.0, 0.0, 0.011, 0.012, 0.013]  # one per student token
+        plain = asyncio.run(compat.Teacher(client).compute_logprobs_async(sequence))
+        assert plain == [None, 0.006, 0.007, 0.011, 0.012, 0.013]
+    with pytest.raises(RuntimeError, match="returned 2 logprobs for 4 tokens"):
+        compat.align_prompt_logprobs([0.1, 0.2], 4)
+
+
+# ---- end to end, on the session's server ------------------------------------------------------
+
+
+def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(tmp_path, server, tiny_model):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    first = run_rlcli(*small(server.base_url, tiny_model, prompts, tmp_path / "a", "--steps", "2",
+                             "--lr", "1e-2"))  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads(first.stdout)
+    assert summary["sampler_path"].startswith("tinker://") and "step 2/2" in first.stderr
+    # the default teacher is the student's own base model: the LoRA starts at zero, so the
+    # student and the teacher agree at the first step
+    assert abs(summary["first_teacher_kl"]) < 1e-3
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [0, 1] and all("teacher_kl" in r for r in rows)
+    # {"messages"} with context, taught by the first run's trained weights
+    messages = write_jsonl(tmp_path / "messages.jsonl", MESSAGES)
+    second = run_rlcli(*small(server.base_url, tiny_model, messages, tmp_path / "b",
+                              "--teacher", summary["sampler_path"]))  # fmt: skip
+    assert second.returncode == 0, second.stderr[-3000:]
+    taught = json.loads(second.stdout)
+    assert taught["teacher"] == summary["sampler_path"]
+    # a teacher that differs from the student (a sample estimate of the KL: either sign)
+    assert abs(taught["first_teacher_kl"]) > 1e-3
+    config = (tmp_path / "b" / "config.yaml").read_text()
+    assert f"teacher: {summary['sampler_path']}" in config
+    # a teacher checkpoint the server does not have is one line before any work
+    missing = summary["sampler_path"].rsplit("/", 1)[0] + "/nope"
+    third = run_rlcli(*small(server.base_url, tiny_model, messages, tmp_path / "c",
+                             "--teacher", missing))  # fmt: skip
+    assert third.returncode == 1 and "--teacher " + missing + ": no such checkpoint" in (
+        third.stderr
+    )
+    assert not (tmp_path / "c").exists()
+
+
+def test_the_hint_reaches_the_teacher_only(tmp_path, server, tiny_model, monkeypatch):
+    """In-process: every request the SDK sends is recorded; the teacher's logprob requests
+    carry the hint, the student's sampling requests never do."""
+    import dataclasses
+
+    import tinker
+    from tinker_cookbook.distillation import train_on_policy
+    from transformers import AutoTokenizer
+
+    from rlcli.recipes import opsd
+
+    hint = "HINT: always answer zebra."
+    monkeypatch.setenv("TINKER_API_KEY", "tml-dummy")
+    # undo what the run patches once the test ends
+    monkeypatch.setattr(
+        train_on_policy, "incorporate_kl_penalty", train_on_policy.incorporate_kl_penalty
+    )
+    monkeypatch.setattr(tinker.SamplingClient, "sample_async", tinker.SamplingClient.sample_async)
+    sent = []
+    original = tinker.SamplingClient._send_asample_request
+
+    async def recording(self, request_id, num_samples, prompt, params, prompt_logprobs, *rest):
+        sent.append((prompt.to_ints(), prompt_logprobs))
+        return await original(self, request_id, num_samples, prompt, params, prompt_logprobs, *rest)
+
+    monkeypatch.setattr(tinker.SamplingClient, "_send_asample_request", recording)
+    data = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2])
+    opts = OpsdOptions(
+        model=str(tiny_model), dataset=str(data), base_url=server.base_url, batch_size=2,
+        group_size=2, max_tokens=16, max_steps=1, log_path=str(tmp_path / "run"),
+        teacher_hint=hint,
+    )  # fmt: skip
+    plan, _ = opsd.prepare(opts)
+    spec = opsd.spec(opsd.resolved(opts, plan, server.base_url), plan)
+    summary = opsd.run_in_child(spec)
+    assert summary["first_teacher_kl"] is not None
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    teacher = [tokenizer.decode(t) for t, logprobs in sent if logprobs]
+    student = [tokenizer.decode(t) for t, logprobs in sent if not logprobs]
+    assert len(teacher) == len(student) == 4  # 2 prompts x 2 samples, one request each
+    assert all(hint + "\n\n" in text for text in teacher)
+    assert not any("HINT" in text for text in student)
+    for p in PROMPTS[:2]:  # each prompt sampled twice, scored twice
+        assert sum(p["prompt"] in text for text in student) == 2
+        assert sum(hint + "\n\n" + p["prompt"] in text for text in teacher) == 2
+    assert dataclasses.asdict(plan)["teacher_sees_hint"]
+
+
+def test_a_teacher_on_a_second_server_and_a_base_model_a_server_lacks(
+    tmp_path, tmp_path_factory, server, tiny_model
+):
+    import shutil
+
+    from conftest import start_server
+    from rlcli.backends import process
+
+    other_model = Path(shutil.copytree(tiny_model, tmp_path / "teacher-model"))
+    data = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2])
+    # the student's server hosts only the student's model: one line naming both and the flag
+    lacking = run_rlcli(*small(server.base_url, tiny_model, data, tmp_path / "a",
+                               "--teacher", str(other_model)))  # fmt: skip
+    assert lacking.returncode == 1
+    line = lacking.stderr.strip().splitlines()[-1]
+    assert f"--teacher {other_model}: the server at {server.base_url}" in line
+    assert f"hosts only {tiny_model}" in line and "--teacher-base-url" in line
+    assert not (tmp_path / "a").exists()
+    home = tmp_path_factory.mktemp("teacher-home")
+    teacher_server = start_server(home, other_model)
+    try:
+        # the default teacher (--model) asked of a server that hosts another model
+        wrong = run_rlcli(*small(server.base_url, tiny_model, data, tmp_path / "b",
+                                 "--teacher-base-url", teacher_server.base_url))  # fmt: skip
+        assert wrong.returncode == 1
+        assert f"the server at {teacher_server.base_url} (--teacher-base-url) hosts only" in (
+            wrong.stderr
+        )
+        result = run_rlcli(*small(server.base_url, tiny_model, data, tmp_path / "c",
+                                  "--teacher", str(other_model), "--steps", "1",
+                                  "--teacher-base-url", teacher_server.base_url))  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert json.loads(result.stdout)["first_teacher_kl"] is not None
+        # the teacher's server served a sampling session (the teacher) and trained nothing
+        import httpx
+
+        def get(path):
+            url = teacher_server.base_url + "/api/v1/" + path
+            return httpx.get(url, headers={"X-API-Key": "tml-dummy"}).json()
+
+        sessions = [get(f"sessions/{sid}") for sid in get("sessions")["sessions"]]
+        assert any(s["sampler_ids"] for s in sessions)
+        assert not any(s["training_run_ids"] for s in sessions)
+    finally:
+        process.stop(home)
