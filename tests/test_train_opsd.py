@@ -321,3 +321,47 @@ def test_a_teacher_on_a_second_server_and_a_base_model_a_server_lacks(
         assert not any(s["training_run_ids"] for s in sessions)
     finally:
         process.stop(home)
+
+
+def test_stdin_prompts_are_kept_and_a_run_resumes_from_its_config(tmp_path, server, tiny_model):
+    log = tmp_path / "run"
+    stdin = "".join(json.dumps(r) + "\n" for r in PROMPTS[:2] + MESSAGES[:2])
+    first = run_rlcli(*small(server.base_url, tiny_model, "-", log, "--steps", "1",
+                             "--save-every", "1"), stdin=stdin)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = log / "prompts.jsonl"
+    assert read_prompts(kept.open(), str(kept)) == read_prompts(stdin.splitlines(), "stdin")
+    assert not list(log.glob(".prompts*"))
+    second = run_rlcli("train", "opsd", "--config", str(log / "config.yaml"), "--log-path",
+                       str(log), "--steps", "2", "--json", stdin="")  # fmt: skip
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming in" in second.stderr and "step 2/2" in second.stderr
+    steps = [json.loads(line)["step"] for line in (log / "metrics.jsonl").open()]
+    assert steps == [0, 1]  # step 1 only: step 0 was not redone
+
+
+def test_opsd_moves_a_student_toward_its_teacher(tmp_path, server, tiny_model):
+    """A student that SFT taught one fixed answer, distilled toward its base model (the
+    default teacher): the reverse KL to the teacher falls. One pass over the prompts, so each
+    step's KL is measured on prompts the student has not been trained on."""
+    chats = [
+        {"messages": [{"role": "user", "content": f"Question {i}: tell me something."},
+                      {"role": "assistant", "content": "zebra zebra zebra zebra"}]}
+        for i in range(8)
+    ]  # fmt: skip
+    sft = run_rlcli("train", "sl", "--dataset", str(write_jsonl(tmp_path / "sft.jsonl", chats)),
+                    "--model", str(tiny_model), "--base-url", server.base_url, "--batch-size",
+                    "8", "--epochs", "30", "--lr", "1e-2", "--lora-rank", "8", "--save-every",
+                    "0", "--log-path", str(tmp_path / "sft"), "--json")  # fmt: skip
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    zebra = json.loads(sft.stdout)["state_path"]
+    prompts = [{"prompt": f"Question {100 + i}: tell me something."} for i in range(20)]
+    data = write_jsonl(tmp_path / "p.jsonl", prompts)
+    result = run_rlcli(*small(server.base_url, tiny_model, data, tmp_path / "run",
+                              "--batch-size", "4", "--group-size", "4", "--lr", "1e-2",
+                              "--init-checkpoint", zebra))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    kl = [json.loads(line)["teacher_kl"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    print("teacher_kl per step:", kl)
+    assert len(kl) == 5 and kl[0] > 2.0
+    assert max(kl[-2:]) < kl[0] / 3
