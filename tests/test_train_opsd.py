@@ -148,6 +148,17 @@ def test_bad_flags_are_one_line(tmp_path, tiny_model, extra, message):
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def test_a_teacher_with_another_tokenizer_is_refused(tmp_path, tiny_model):
+    from rlcli.models import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", vocab_size=800)
+    data = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    result = run_rlcli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
+                       "--teacher", str(other), "--base-url", DEAD_URL, "--dry-run")  # fmt: skip
+    assert result.returncode == 1
+    assert f"--teacher {other}: its tokenizer differs from --model's" in result.stderr
+
+
 def test_options_defaults_are_the_issues():
     o = OpsdOptions(model="m", dataset="d")
     assert (o.batch_size, o.group_size, o.lr, o.max_tokens) == (32, 4, 1e-4, 1024)

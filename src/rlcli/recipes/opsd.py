@@ -147,7 +147,9 @@ def prepare(opts: OpsdOptions, stdin=None, dry_run: bool = False) -> tuple[OpsdP
             raise RlcliError(str(e).replace("--model", "--teacher", 1)) from None
     run_dir = run_dir_of(opts)
     prompts, dataset_path = load_prompts(opts, run_dir, stdin)
-    renderer, source, _ = resolve_renderer(opts.model, opts.renderer)
+    renderer, source, tokenizer = resolve_renderer(opts.model, opts.renderer)
+    if teacher_model != opts.model:
+        check_same_tokenizer(tokenizer, teacher_model)
     steps = math.ceil(len(prompts) / opts.batch_size)  # the last batch may be partial
     if opts.max_steps is not None:
         steps = min(steps, opts.max_steps)
@@ -168,6 +170,24 @@ def prepare(opts: OpsdOptions, stdin=None, dry_run: bool = False) -> tuple[OpsdP
         resuming=(run_dir / "checkpoints.jsonl").exists(),
     )
     return plan, prompts
+
+
+def check_same_tokenizer(student_tokenizer, teacher_model: str) -> None:
+    """The teacher scores the student's token ids, so another base model must share the
+    student's vocabulary. Skipped when either tokenizer cannot be loaded here (offline hub id)."""
+    if student_tokenizer is None:
+        return
+    try:
+        from tinker_cookbook import tokenizer_utils
+
+        teacher_tokenizer = tokenizer_utils.get_tokenizer(teacher_model)
+    except Exception:
+        return
+    if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
+        raise RlcliError(
+            f"--teacher {teacher_model}: its tokenizer differs from --model's; the teacher "
+            "scores the student's tokens, so both need the same tokenizer"
+        )
 
 
 def check_server(server, opts: OpsdOptions, plan: OpsdPlan) -> str:
