@@ -72,13 +72,18 @@ def check_server(
     return backend or "unknown"
 
 
-def _probe(base_url: str, loss: str, backend: str, model: str) -> None:
-    """A one-datum forward with ``loss``: cheap, and refused by servers that lack it."""
+def probe_forward(base_url: str, model: str, loss: str, config: dict | None = None) -> None:
+    """A one-datum ``forward`` with ``loss`` (and its config) on a throwaway rank-1 client:
+    cheap, and refused (the SDK's 400/422 error, raised) by a server that lacks the loss or
+    rejects the config. The probe's adapter is freed at once, not at its session's timeout."""
+    import contextlib
+
+    import httpx
     import tinker
     from tinker import types
 
+    service = tinker.ServiceClient(base_url=base_url, api_key=endpoint.api_key())
     try:
-        service = tinker.ServiceClient(base_url=base_url, api_key=endpoint.api_key())
         trainer = service.create_lora_training_client(base_model=model, rank=1)
     except tinker.APIError as e:
         raise RlcliError(
@@ -94,7 +99,23 @@ def _probe(base_url: str, loss: str, backend: str, model: str) -> None:
         },
     )
     try:
-        trainer.forward([datum], loss).result()  # type: ignore[arg-type]
+        trainer.forward([datum], loss, config).result()  # type: ignore[arg-type]
+    finally:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(
+                f"{base_url.rstrip('/')}/api/v1/unload_model",
+                json={"model_id": trainer.model_id},
+                headers=endpoint.headers(),
+                timeout=10,
+            )
+
+
+def _probe(base_url: str, loss: str, backend: str, model: str) -> None:
+    """Does the server compute ``loss``? (For servers whose capabilities do not say.)"""
+    import tinker
+
+    try:
+        probe_forward(base_url, model, loss)
     except (tinker.BadRequestError, tinker.UnprocessableEntityError) as e:
         known = BACKEND_LOSSES.get(backend)
         served = ", ".join(known) if known else "see the server's documentation"

@@ -139,36 +139,14 @@ class Server:
         (400) here, not after the first batch of rollouts."""
         if not config:
             return
-        import contextlib
-
-        import httpx
         import tinker
-        from tinker import types
 
-        from rlcli import endpoint
+        from rlcli.recipes.loss_guard import probe_forward
 
-        service = tinker.ServiceClient(base_url=self.base_url, api_key=endpoint.api_key())
-        trainer = service.create_lora_training_client(base_model=model, rank=1)
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints([1, 2]),
-            loss_fn_inputs={
-                "target_tokens": [2, 3],
-                "logprobs": [-1.0, -1.0],
-                "advantages": [1.0, 1.0],
-            },
-        )
         try:
-            trainer.forward([datum], loss, config).result()  # type: ignore[arg-type]
+            probe_forward(self.base_url, model, loss, config)
         except (tinker.BadRequestError, tinker.UnprocessableEntityError) as e:
             raise RlcliError(f"--loss-config {_json(config)}: {_detail(e)}") from None
-        finally:  # free the probe's adapter now, not at its session's timeout
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.post(
-                    f"{self.base_url.rstrip('/')}/api/v1/unload_model",
-                    json={"model_id": trainer.model_id},
-                    headers=endpoint.headers(),
-                    timeout=10,
-                )
 
 
 def _same_model(given: str, served: str) -> bool:
