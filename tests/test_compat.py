@@ -114,3 +114,8 @@ def test_the_distillation_recipe_scores_through_the_seam_train_opsd_replaces():
         inspect.signature(ProblemGroupBuilder).parameters
     )
     assert "teacher_config.load_checkpoint_path" in inspect.getsource(train_on_policy.main)
+    # the run hooks' per-step rollout count: one get_batch per step, rollouts through the
+    # module-level group rollout
+    loop = inspect.getsource(train_on_policy.do_sync_training)
+    assert "dataset.get_batch(i_batch)" in loop
+    assert "do_group_rollout_and_filter_constant_reward(" in loop

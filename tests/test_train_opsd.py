@@ -213,6 +213,8 @@ def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(tmp_path, serv
     assert first.returncode == 0, first.stderr[-3000:]
     summary = json.loads(first.stdout)
     assert summary["sampler_path"].startswith("tinker://") and "step 2/2" in first.stderr
+    # rollouts are counted per step (2 prompts x 2 samples), not across steps
+    assert "sampling rollouts 4/4" in first.stderr and "/8" not in first.stderr
     # the default teacher is the student's own base model: the LoRA starts at zero, so the
     # student and the teacher agree at the first step
     assert abs(summary["first_teacher_kl"]) < 1e-3

@@ -213,6 +213,30 @@ def install_run_hooks(report, seed: int = 0) -> None:
 
     rl_train.gather_with_progress = gather_with_progress
 
+    # Distillation (``train opsd``) samples through the same group rollouts but gathers them
+    # with ``asyncio.gather``; each step starts at ``CompositeDataset.get_batch(i_batch)``.
+    from tinker_cookbook.distillation import datasets as distillation_datasets
+    from tinker_cookbook.distillation import train_on_policy
+
+    original_get_batch = distillation_datasets.CompositeDataset.get_batch
+
+    def get_batch(self, i_batch):
+        rollouts.update(step=i_batch, done=0, total=0)
+        return original_get_batch(self, i_batch)
+
+    distillation_datasets.CompositeDataset.get_batch = get_batch
+    train_on_policy.do_group_rollout_and_filter_constant_reward = group_rollout  # its own import
+
+    original_distillation_main = train_on_policy.main
+
+    async def distillation_main(*args, **kwargs):
+        try:
+            return await original_distillation_main(*args, **kwargs)
+        finally:
+            report("recipe finished")
+
+    train_on_policy.main = distillation_main
+
 
 # ---- On-policy distillation (train opsd) -----------------------------------------------------
 #
