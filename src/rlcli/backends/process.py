@@ -238,6 +238,20 @@ def engine_error(base_url: str) -> str | None:
     return detail
 
 
+def _prepare_start(home: Path, host: str, port: int) -> Path:
+    """Refuse a second server here or a taken port; the log file to append to."""
+    running, _ = live_record(home)
+    if running is not None:
+        raise RlcliError(
+            f"a server is already running here (pid {running.pid}, {running.base_url}, "
+            f"model {running.base_model}); stop it with `rlcli serve stop`"
+        )
+    check_port_free(host, port)
+    log = log_path(home)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return log
+
+
 def start_detached(
     home: Path,
     command: list[str],
@@ -256,15 +270,7 @@ def start_detached(
     record removed, and ``RlcliError`` names the last error line of the log. Also raises if a
     server already runs here or the port is taken.
     """
-    running, _ = live_record(home)
-    if running is not None:
-        raise RlcliError(
-            f"a server is already running here (pid {running.pid}, {running.base_url}, "
-            f"model {running.base_model}); stop it with `rlcli serve stop`"
-        )
-    check_port_free(host, port)
-    log = log_path(home)
-    log.parent.mkdir(parents=True, exist_ok=True)
+    log = _prepare_start(home, host, port)
     with log.open("a") as out:
         out.write(f"\n==== rlcli serve start {time.strftime('%Y-%m-%d %H:%M:%S')}: ")
         out.write(" ".join(command) + "\n")
@@ -338,15 +344,7 @@ def run_foreground(
     see the server. SIGTERM, SIGINT and SIGHUP are passed on to the server; if this process is
     killed outright, the server gets SIGTERM from the kernel (``die_with_parent``).
     """
-    running, _ = live_record(home)
-    if running is not None:
-        raise RlcliError(
-            f"a server is already running here (pid {running.pid}, {running.base_url}, "
-            f"model {running.base_model}); stop it with `rlcli serve stop`"
-        )
-    check_port_free(host, port)
-    log = log_path(home)
-    log.parent.mkdir(parents=True, exist_ok=True)
+    log = _prepare_start(home, host, port)
     me = os.getpid()
 
     def lifeline() -> None:
