@@ -206,7 +206,27 @@ def test_hinted_teacher_scores_the_answer_at_the_students_positions():
 # ---- end to end, on the session's server ------------------------------------------------------
 
 
-def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(tmp_path, server, tiny_model):
+@pytest.fixture(scope="module")
+def zebra(server, tiny_model, tmp_path_factory) -> dict:
+    """A checkpoint that `rlcli train sl` taught one fixed answer: a model that differs from
+    the base model in a known way (its summary: state_path, sampler_path)."""
+    folder = tmp_path_factory.mktemp("zebra")
+    chats = [
+        {"messages": [{"role": "user", "content": f"Question {i}: tell me something."},
+                      {"role": "assistant", "content": "zebra zebra zebra zebra"}]}
+        for i in range(8)
+    ]  # fmt: skip
+    sft = run_rlcli("train", "sl", "--dataset", str(write_jsonl(folder / "sft.jsonl", chats)),
+                    "--model", str(tiny_model), "--base-url", server.base_url, "--batch-size",
+                    "8", "--epochs", "30", "--lr", "1e-2", "--lora-rank", "8", "--save-every",
+                    "0", "--log-path", str(folder / "sft"), "--json")  # fmt: skip
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    return json.loads(sft.stdout)
+
+
+def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(
+    tmp_path, server, tiny_model, zebra
+):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
     first = run_rlcli(*small(server.base_url, tiny_model, prompts, tmp_path / "a", "--steps", "2",
                              "--lr", "1e-2"))  # fmt: skip
@@ -217,28 +237,31 @@ def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(tmp_path, serv
     assert "sampling rollouts 4/4" in first.stderr and "/8" not in first.stderr
     # the default teacher is the student's own base model: the LoRA starts at zero, so the
     # student and the teacher agree at the first step
-    assert abs(summary["first_teacher_kl"]) < 1e-3
+    assert abs(summary["first_teacher_kl"]) < 1e-4
     rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [0, 1] and all("teacher_kl" in r for r in rows)
-    # {"messages"} with context, taught by the first run's trained weights
+    # {"messages"} with context, taught by a checkpoint that SFT taught one fixed answer
     messages = write_jsonl(tmp_path / "messages.jsonl", MESSAGES)
     second = run_rlcli(*small(server.base_url, tiny_model, messages, tmp_path / "b",
-                              "--teacher", summary["sampler_path"]))  # fmt: skip
+                              "--teacher", zebra["sampler_path"]))  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]
     taught = json.loads(second.stdout)
-    assert taught["teacher"] == summary["sampler_path"]
-    # a teacher that differs from the student (a sample estimate of the KL: either sign)
-    assert abs(taught["first_teacher_kl"]) > 1e-3
+    assert taught["teacher"] == zebra["sampler_path"]
+    assert taught["first_teacher_kl"] > 1.0  # that teacher finds the student's answers unlikely
     config = (tmp_path / "b" / "config.yaml").read_text()
-    assert f"teacher: {summary['sampler_path']}" in config
-    # a teacher checkpoint the server does not have is one line before any work
-    missing = summary["sampler_path"].rsplit("/", 1)[0] + "/nope"
+    assert f"teacher: {zebra['sampler_path']}" in config
+    # a teacher checkpoint the server does not have, or a training (not sampler) checkpoint,
+    # is one line before any work
+    missing = zebra["sampler_path"].rsplit("/", 1)[0] + "/nope"
     third = run_rlcli(*small(server.base_url, tiny_model, messages, tmp_path / "c",
                              "--teacher", missing))  # fmt: skip
     assert third.returncode == 1 and "--teacher " + missing + ": no such checkpoint" in (
         third.stderr
     )
     assert not (tmp_path / "c").exists()
+    state = run_rlcli(*small(server.base_url, tiny_model, messages, tmp_path / "d",
+                             "--teacher", zebra["state_path"]))  # fmt: skip
+    assert state.returncode == 1 and "pass a sampler_weights/... path" in state.stderr
 
 
 def test_the_hint_reaches_the_teacher_only(tmp_path, server, tiny_model, monkeypatch):
@@ -353,26 +376,15 @@ def test_stdin_prompts_are_kept_and_a_run_resumes_from_its_config(tmp_path, serv
     assert steps == [0, 1]  # step 1 only: step 0 was not redone
 
 
-def test_opsd_moves_a_student_toward_its_teacher(tmp_path, server, tiny_model):
+def test_opsd_moves_a_student_toward_its_teacher(tmp_path, server, tiny_model, zebra):
     """A student that SFT taught one fixed answer, distilled toward its base model (the
     default teacher): the reverse KL to the teacher falls. One pass over the prompts, so each
     step's KL is measured on prompts the student has not been trained on."""
-    chats = [
-        {"messages": [{"role": "user", "content": f"Question {i}: tell me something."},
-                      {"role": "assistant", "content": "zebra zebra zebra zebra"}]}
-        for i in range(8)
-    ]  # fmt: skip
-    sft = run_rlcli("train", "sl", "--dataset", str(write_jsonl(tmp_path / "sft.jsonl", chats)),
-                    "--model", str(tiny_model), "--base-url", server.base_url, "--batch-size",
-                    "8", "--epochs", "30", "--lr", "1e-2", "--lora-rank", "8", "--save-every",
-                    "0", "--log-path", str(tmp_path / "sft"), "--json")  # fmt: skip
-    assert sft.returncode == 0, sft.stderr[-3000:]
-    zebra = json.loads(sft.stdout)["state_path"]
     prompts = [{"prompt": f"Question {100 + i}: tell me something."} for i in range(20)]
     data = write_jsonl(tmp_path / "p.jsonl", prompts)
     result = run_rlcli(*small(server.base_url, tiny_model, data, tmp_path / "run",
                               "--batch-size", "4", "--group-size", "4", "--lr", "1e-2",
-                              "--init-checkpoint", zebra))  # fmt: skip
+                              "--init-checkpoint", zebra["state_path"]))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     kl = [json.loads(line)["teacher_kl"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
     print("teacher_kl per step:", kl)
