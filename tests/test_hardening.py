@@ -230,6 +230,7 @@ def test_load_state_with_other_target_modules_changes_nothing(service, tiny_mode
     full.forward_backward([_datum(tokens)], "cross_entropy").result()
     full.optim_step(ADAM).result()
     path = full.save_state("full").result().path
+
     def attn_only():
         return service.create_lora_training_client(
             base_model=str(tiny_model), rank=4, seed=8, train_mlp=False, train_unembed=False
