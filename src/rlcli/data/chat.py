@@ -7,8 +7,9 @@ number, so nothing is sent to a server for a file that would fail halfway throug
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from rlcli.errors import RlcliError
 
@@ -86,9 +87,12 @@ def check_conversation(row) -> str | None:
     return None
 
 
-def read_conversations(lines: Iterable[str], source: str) -> list[dict]:
-    """Parse and validate chat JSONL; raise ``DataError`` listing every bad line."""
-    conversations, errors, total = [], [], 0
+def read_jsonl(
+    lines: Iterable[str], source: str, parse: Callable[[Any], tuple[Any, str | None]], what: str
+) -> list:
+    """Every line through ``parse`` (row -> (value, None) or (None, why not)); raise
+    ``DataError`` listing every bad line, or saying there is nothing, before returning any."""
+    values, errors, total = [], [], 0
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -98,16 +102,26 @@ def read_conversations(lines: Iterable[str], source: str) -> list[dict]:
         except json.JSONDecodeError as e:
             errors.append(LineError(number, f"not JSON ({e.msg} at column {e.colno})"))
             continue
-        problem = check_conversation(row)
+        value, problem = parse(row)
         if problem:
             errors.append(LineError(number, problem))
-            continue
-        messages = [
-            {"role": m["role"], "content": content_text(m["content"])} for m in row["messages"]
-        ]
-        conversations.append({"messages": messages})
+        else:
+            values.append(value)
     if errors:
-        raise DataError(source, errors, total)
-    if not conversations:
-        raise DataError(source, [LineError(0, "no conversations (the input is empty)")], 0)
-    return conversations
+        raise DataError(source, errors, total, what)
+    if not values:
+        raise DataError(source, [LineError(0, f"no {what} (the input is empty)")], 0, what)
+    return values
+
+
+def _conversation(row) -> tuple[dict | None, str | None]:
+    problem = check_conversation(row)
+    if problem:
+        return None, problem
+    messages = [{"role": m["role"], "content": content_text(m["content"])} for m in row["messages"]]
+    return {"messages": messages}, None
+
+
+def read_conversations(lines: Iterable[str], source: str) -> list[dict]:
+    """Parse and validate chat JSONL; raise ``DataError`` listing every bad line."""
+    return read_jsonl(lines, source, _conversation, "chat data")

@@ -8,10 +8,9 @@ anything is sent.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 
-from rlcli.data.chat import DataError, LineError, content_text
+from rlcli.data.chat import content_text, read_jsonl
 
 CONTEXT_ROLES = ("system", "user", "assistant")
 
@@ -52,23 +51,4 @@ def to_prompt(row) -> tuple[dict | None, str | None]:
 
 def read_prompts(lines: Iterable[str], source: str) -> list[dict]:
     """Parse and validate prompts JSONL; raise ``DataError`` listing every bad line."""
-    prompts, errors, total = [], [], 0
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        total += 1
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            errors.append(LineError(number, f"not JSON ({e.msg} at column {e.colno})"))
-            continue
-        prompt, problem = to_prompt(row)
-        if problem:
-            errors.append(LineError(number, problem))
-        else:
-            prompts.append(prompt)
-    if errors:
-        raise DataError(source, errors, total, what="prompts")
-    if not prompts:
-        raise DataError(source, [LineError(0, "no prompts (the input is empty)")], 0, "prompts")
-    return prompts
+    return read_jsonl(lines, source, to_prompt, "prompts")
