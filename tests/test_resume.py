@@ -225,3 +225,47 @@ def test_the_run_hooks_still_find_their_seams_in_the_cookbook():
     sl_main = inspect.getsource(sl_train.main)
     assert "await checkpoint_mgr.maybe_save_async(" in sl_main
     assert '"batch": submitted.batch_idx' in sl_main
+
+
+def test_opsd_checkpoints_hold_exactly_the_steps_before_their_batch(tmp_path, server, tiny_model):
+    """`train opsd` resumes the same way (the cookbook's on-policy distillation loop): each
+    checkpoint must hold exactly the optimizer steps before its recorded batch."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(8)))
+    run_dir = tmp_path / "opsd"
+    result = subprocess.run(
+        [
+            *RLCLI,
+            "train",
+            "opsd",
+            "--model",
+            str(tiny_model),
+            "--base-url",
+            server.base_url,
+            "--dataset",
+            str(prompts),
+            "--batch-size",
+            "2",
+            "--group-size",
+            "2",
+            "--max-tokens",
+            "8",
+            "--max-steps",
+            "3",
+            "--save-every",
+            "1",
+            "--lora-rank",
+            "4",
+            "--log-path",
+            str(run_dir),
+            "--json",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = records(run_dir)
+    assert [r["batch"] for r in saved][:3] == [1, 2, 3]
+    for record in saved:
+        assert optimizer_steps(server, record["state_path"]) == record["batch"], record
