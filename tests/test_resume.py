@@ -160,22 +160,18 @@ def test_kill_9_at_three_points_then_resume_matches_an_uninterrupted_run(
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
-def test_rl_checkpoints_hold_exactly_the_steps_before_their_batch(tmp_path, server, tiny_model):
-    """`train rl` resumes at a checkpoint's recorded batch; each checkpoint must hold exactly
-    that many optimizer steps (0.5.7's rl.train saves after awaiting the step: no fix needed)."""
-    run_dir = tmp_path / "rl"
+def _three_saved_steps(server, tiny_model, run_dir, command: str, *data_flags: str) -> list:
+    """Run ``rlcli train COMMAND`` for 3 steps saving every step; its checkpoint records."""
     result = subprocess.run(
         [
             *RLCLI,
             "train",
-            "rl",
+            command,
+            *data_flags,
             "--model",
             str(tiny_model),
             "--base-url",
             server.base_url,
-            "--gsm8k-dir",
-            str(GSM8K),
             "--batch-size",
             "2",
             "--group-size",
@@ -197,8 +193,28 @@ def test_rl_checkpoints_hold_exactly_the_steps_before_their_batch(tmp_path, serv
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    saved = records(run_dir)
+    return records(run_dir)
+
+
+@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
+def test_rl_checkpoints_hold_exactly_the_steps_before_their_batch(tmp_path, server, tiny_model):
+    """`train rl` resumes at a checkpoint's recorded batch; each checkpoint must hold exactly
+    that many optimizer steps (0.5.7's rl.train saves after awaiting the step: no fix needed)."""
+    saved = _three_saved_steps(server, tiny_model, tmp_path / "rl", "rl", "--gsm8k-dir", str(GSM8K))
     assert [r["batch"] for r in saved] == [1, 2, 3, 3]  # 000001..000003, final
+    for record in saved:
+        assert optimizer_steps(server, record["state_path"]) == record["batch"], record
+
+
+def test_opsd_checkpoints_hold_exactly_the_steps_before_their_batch(tmp_path, server, tiny_model):
+    """`train opsd` resumes the same way (the cookbook's on-policy distillation loop): each
+    checkpoint must hold exactly the optimizer steps before its recorded batch."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(8)))
+    saved = _three_saved_steps(
+        server, tiny_model, tmp_path / "opsd", "opsd", "--dataset", str(prompts)
+    )
+    assert [r["batch"] for r in saved][:3] == [1, 2, 3]
     for record in saved:
         assert optimizer_steps(server, record["state_path"]) == record["batch"], record
 
@@ -225,47 +241,3 @@ def test_the_run_hooks_still_find_their_seams_in_the_cookbook():
     sl_main = inspect.getsource(sl_train.main)
     assert "await checkpoint_mgr.maybe_save_async(" in sl_main
     assert '"batch": submitted.batch_idx' in sl_main
-
-
-def test_opsd_checkpoints_hold_exactly_the_steps_before_their_batch(tmp_path, server, tiny_model):
-    """`train opsd` resumes the same way (the cookbook's on-policy distillation loop): each
-    checkpoint must hold exactly the optimizer steps before its recorded batch."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(8)))
-    run_dir = tmp_path / "opsd"
-    result = subprocess.run(
-        [
-            *RLCLI,
-            "train",
-            "opsd",
-            "--model",
-            str(tiny_model),
-            "--base-url",
-            server.base_url,
-            "--dataset",
-            str(prompts),
-            "--batch-size",
-            "2",
-            "--group-size",
-            "2",
-            "--max-tokens",
-            "8",
-            "--max-steps",
-            "3",
-            "--save-every",
-            "1",
-            "--lora-rank",
-            "4",
-            "--log-path",
-            str(run_dir),
-            "--json",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    saved = records(run_dir)
-    assert [r["batch"] for r in saved][:3] == [1, 2, 3]
-    for record in saved:
-        assert optimizer_steps(server, record["state_path"]) == record["batch"], record
