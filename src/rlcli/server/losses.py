@@ -92,8 +92,7 @@ def cross_entropy(logp, inputs, mask, config) -> LossResult:
     distillation: K target tokens per position, each with its own weight)."""
     if logp.dim() == 3:
         mask = mask.unsqueeze(-1)
-    weights = inputs["weights"] * mask if "weights" in inputs else mask.float()
-    return _finish(-logp * weights)
+    return _finish(-logp * _weights(inputs, mask))
 
 
 def importance_sampling(logp, inputs, mask, config) -> LossResult:

@@ -7,7 +7,7 @@ import uuid
 import numpy as np
 from fastapi import APIRouter, HTTPException
 
-from rlcli.server import ops
+from rlcli.server import checkpoints, ops
 from rlcli.server.routes_checkpoints import resolve_checkpoint
 from rlcli.server.sampling import SampleJob
 from rlcli.server.schemas import CreateSamplingSession, Sample
@@ -55,8 +55,6 @@ def _sampler_ref(
 ) -> SamplerRef:
     if model_path:
         ref, folder = resolve_checkpoint(state, model_path)
-        from rlcli.server import checkpoints
-
         run = checkpoints.read_run(state.checkpoints_root, ref.run_id) or {}
         base = run.get("base_model", state.settings.base_model)
         return SamplerRef(str(folder), base, session_id, model_path)
