@@ -13,7 +13,18 @@ import sys
 
 import typer
 
-from rlcli.cli import demo, importer, models, serve, tinker_passthrough, train
+from rlcli.cli import (
+    demo,
+    evaluate,
+    export,
+    importer,
+    models,
+    runs,
+    sample,
+    serve,
+    tinker_passthrough,
+    train,
+)
 
 app = typer.Typer(
     name="rlcli",
@@ -25,6 +36,11 @@ app = typer.Typer(
 app.add_typer(serve.app, name="serve")
 app.add_typer(models.app, name="models")
 app.add_typer(train.app, name="train")
+app.add_typer(evaluate.app, name="eval")
+app.add_typer(runs.app, name="runs")
+app.command("sample")(sample.sample)
+app.command("chat")(sample.chat)
+app.command("export")(export.export)
 app.command("demo")(demo.demo)
 app.command("import")(importer.import_)
 tinker_passthrough.register(app)
