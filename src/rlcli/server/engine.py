@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlcli.models import end_of_turn_id
 from rlcli.server import checkpoints, finite, losses
 from rlcli.server.errors import UserError
 from rlcli.server.samplers import SamplerCache
@@ -119,8 +120,9 @@ class Engine:
         pad = self.tokenizer.pad_token_id
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         eos = eos if eos is not None else self.tokenizer.eos_token_id
-        # Like vLLM: the end-of-sequence token always ends a sample, on top of `stop`.
-        eos = eos if isinstance(eos, list) else [eos]
+        # Like vLLM: the end-of-sequence token always ends a sample, on top of `stop`; so does
+        # the chat template's end of turn (a folder whose configs disagree still stops there).
+        eos = [*(eos if isinstance(eos, list) else [eos]), end_of_turn_id(self.tokenizer)]
         self.eos_ids = sorted({int(e) for e in eos if e is not None})
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
         self.samplers = SamplerCache(
