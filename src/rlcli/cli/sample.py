@@ -1,17 +1,231 @@
-"""``rlcli sample`` and ``rlcli chat``: talk to a base model or a checkpoint. (Being built.)"""
+"""``rlcli sample`` and ``rlcli chat``: talk to a base model or a sampler checkpoint.
+
+Thin over ``rlcli.talk`` (target checks, rendering, sampling). Completions go to stdout,
+everything else (which server, which renderer, the waiting spinner) to stderr.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import threading
 
-def sample() -> None:
-    """Sample completions for one prompt."""
-    from rlcli.errors import RlcliError
+import typer
 
-    raise RlcliError("rlcli sample: not built yet")
+from rlcli.cli._output import emit, info
+from rlcli.errors import RlcliError
+
+NO_STREAMING = (
+    "The Tinker sample API returns whole completions (no token streaming): each answer "
+    "appears when it is complete."
+)
+
+MODEL = typer.Option(None, "--model", "-m", help="Base model the server hosts (hub id or folder).")
+CHECKPOINT = typer.Option(
+    None,
+    "--checkpoint",
+    "-c",
+    help="tinker://RUN/sampler_weights/NAME to sample from (its base model is asked from "
+    "the server; --model overrides where the tokenizer is loaded from).",
+)
+MAX_TOKENS = typer.Option(256, "--max-tokens", min=1, help="Most tokens per completion.")
+TEMPERATURE = typer.Option(1.0, "--temperature", min=0.0, help="0 = greedy.")
+TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")
+SEED = typer.Option(None, "--seed", min=0, help="Sampling seed (same seed, same completion).")
+SYSTEM = typer.Option(None, "--system", help="A system message before the conversation.")
+RENDERER = typer.Option(
+    None, "--renderer", help="Cookbook renderer (default: the one train uses for the model)."
+)
+BASE_URL = typer.Option(
+    None, "--base-url", help="Server (default: $TINKER_BASE_URL, the one running here, :8000)."
+)
 
 
-def chat() -> None:
-    """An interactive conversation in the terminal."""
-    from rlcli.errors import RlcliError
+def _open(base_url, model, checkpoint, renderer, raw, max_tokens):
+    from rlcli import endpoint, talk
+    from rlcli.recipes.preflight import check_renderer
 
-    raise RlcliError("rlcli chat: not built yet")
+    if not raw:
+        check_renderer(renderer)
+    url, source = endpoint.resolve_base_url(base_url)
+    target = talk.resolve_target(url, source, model, checkpoint, max_tokens)
+    info(endpoint.describe(url, source))
+    talker = talk.Talker(target, renderer, raw).open()
+    how = "raw tokens, no chat template" if raw else f"{talker.renderer_name} ({talker.why})"
+    info(f"model: {target.label}; prompt: {how}")
+    return talker
+
+
+def _read_prompt(prompt: str | None) -> str:
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        text = sys.stdin.read()
+        if not text.strip():
+            raise RlcliError("--prompt -: nothing on stdin")
+        return text.rstrip("\n")
+    if prompt is None:
+        raise RlcliError("--prompt TEXT is required (or '-' to read it from stdin)")
+    return prompt
+
+
+def _wait(future, spinner: bool):
+    """The future's result, with a spinner on a terminal's stderr meanwhile."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        frames = "|/-\\"
+        i = 0
+        while not stop.wait(0.15):
+            sys.stderr.write(f"\r{frames[i % 4]} ")
+            sys.stderr.flush()
+            i += 1
+
+    thread = threading.Thread(target=spin, daemon=True)
+    if spinner:
+        thread.start()
+    try:
+        while True:
+            try:
+                return future.result(timeout=0.1)
+            except TimeoutError:
+                continue
+    finally:
+        stop.set()
+        if spinner:
+            thread.join()
+            sys.stderr.write("\r  \r")
+            sys.stderr.flush()
+
+
+def sample(
+    prompt: str = typer.Option(
+        None, "--prompt", "-p", help="The user message ('-' or piped stdin: read it from stdin)."
+    ),
+    model: str = MODEL,
+    checkpoint: str = CHECKPOINT,
+    max_tokens: int = MAX_TOKENS,
+    temperature: float = TEMPERATURE,
+    top_p: float = TOP_P,
+    num_samples: int = typer.Option(1, "--num-samples", "-n", min=1, max=64, help="Completions."),
+    seed: int = SEED,
+    system: str = SYSTEM,
+    raw: bool = typer.Option(
+        False, "--raw", help="Send the prompt's tokens as they are (no chat template)."
+    ),
+    renderer: str = RENDERER,
+    base_url: str = BASE_URL,
+    as_json: bool = typer.Option(
+        False, "--json", help="Completions, token counts and stop reasons as JSON."
+    ),
+) -> None:
+    """Sample completions for one prompt from a base model or a sampler checkpoint.
+
+    The prompt is rendered with the model's chat template (the renderer `rlcli train` uses)
+    unless --raw. Completions go to stdout; with several, each under a `--- sample i/N ---`
+    line.
+    """
+    from rlcli import talk
+
+    if raw and system:
+        raise RlcliError("--system needs the chat template; drop --raw or --system")
+    text = _read_prompt(prompt)
+    talker = _open(base_url, model, checkpoint, renderer, raw, max_tokens)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
+    model_input = talker.prompt(messages, text)
+    settings = talk.Settings(max_tokens, temperature, top_p, seed)
+    future = talker.submit(model_input, settings, num_samples)
+    try:
+        replies = talker.replies(_wait(future, sys.stderr.isatty() and not as_json))
+    except RlcliError:
+        raise
+    except Exception as e:
+        raise talk.sample_error(talker.target, e) from None
+    if as_json:
+        emit(
+            {
+                "model": talker.target.base_model,
+                "checkpoint": talker.target.checkpoint,
+                "renderer": None if raw else talker.renderer_name,
+                "prompt_tokens": model_input.length,
+                "samples": [r.as_json() for r in replies],
+            },
+            as_json=True,
+        )
+        return
+    for i, reply in enumerate(replies, 1):
+        if len(replies) > 1:
+            sys.stdout.write(f"--- sample {i}/{len(replies)} ---\n")
+        sys.stdout.write(reply.text + ("" if reply.text.endswith("\n") else "\n"))
+    sys.stdout.flush()
+
+
+HELP = "/reset forgets the conversation, /system TEXT sets the system message, /exit leaves"
+
+
+def chat(
+    model: str = MODEL,
+    checkpoint: str = CHECKPOINT,
+    system: str = SYSTEM,
+    max_tokens: int = MAX_TOKENS,
+    temperature: float = TEMPERATURE,
+    top_p: float = TOP_P,
+    seed: int = SEED,
+    renderer: str = RENDERER,
+    base_url: str = BASE_URL,
+) -> None:
+    """An interactive conversation in the terminal with a base model or a sampler checkpoint.
+
+    The whole conversation is re-rendered with the model's chat template each turn. Commands:
+    /reset (forget the conversation), /system TEXT (set the system message; /system alone
+    clears it), /exit or Ctrl-D (leave); Ctrl-C cancels the answer being waited for.
+    The Tinker sample API returns whole completions (no token streaming): each answer
+    appears when it is complete.
+    """
+    from rlcli import talk
+
+    talker = _open(base_url, model, checkpoint, renderer, False, max_tokens)
+    settings = talk.Settings(max_tokens, temperature, top_p, seed)
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  (line editing and history for input())
+    info(f"{HELP}; Ctrl-C cancels an answer. {NO_STREAMING}")
+    history: list[dict] = []
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            sys.stdout.write("\n")
+            return
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            command, _, rest = line.partition(" ")
+            if command in ("/exit", "/quit"):
+                return
+            if command == "/reset":
+                history.clear()
+                print("(conversation forgotten)")
+            elif command == "/system":
+                system = rest.strip() or None
+                print(f"(system message: {system!r})" if system else "(no system message)")
+            else:
+                print(f"(unknown command {command}; {HELP})")
+            continue
+        turn = {"role": "user", "content": line}
+        messages = ([{"role": "system", "content": system}] if system else []) + history + [turn]
+        future = talker.submit(talker.prompt(messages), settings)
+        try:
+            reply = talker.replies(_wait(future, sys.stderr.isatty()))[0]
+        except KeyboardInterrupt:
+            future.cancel()
+            print("(cancelled)")
+            continue
+        except Exception as e:
+            raise talk.sample_error(talker.target, e) from None
+        history += [turn, {"role": "assistant", "content": reply.text}]
+        cut = " [cut at --max-tokens]" if reply.stop_reason == "length" else ""
+        print(f"model> {reply.text}{cut}", flush=True)
