@@ -20,7 +20,7 @@ from rlcli.cli._output import emit, info
 from rlcli.recipes import opsd, options, preflight, rl, sl
 
 app = typer.Typer(
-    help="Train: supervised fine-tuning (sl), RL on GSM8K (rl), self-distillation (opsd).",
+    help="Train: supervised fine-tuning (sl), RL on an environment (rl), self-distillation (opsd).",
     no_args_is_help=True,
 )
 
@@ -55,6 +55,9 @@ def _train(recipe, opts) -> None:
 
     runner.lock_run_dir(Path(plan.run_dir))  # before anything is written into the folder
     recipe.commit(opts, plan, data)  # the options as given (sl: was it stdin?)
+    if opts.detach:
+        _detach(recipe, run_opts, plan, opts.json)
+        return
     _run(recipe, run_opts, plan, recipe.describe(plan, served_by), opts.json)
 
 
@@ -115,6 +118,75 @@ def _run(recipe, opts, plan, what: str, as_json: bool) -> None:
     emit(summary, as_json=as_json, title="done")
 
 
+def _detach(recipe, opts, plan, as_json: bool) -> None:
+    """Every check has passed: run ``<command> --config RUN/config.yaml --log-path RUN`` in the
+    background, in its own session (a closed terminal does not stop it), output to
+    ``detached.log``. It is an ordinary run (same flow, record and lock: this process hands the
+    locked descriptor over, so the folder is never unlocked in between). Stdin data was kept in
+    the folder by ``commit`` and ``config.yaml`` names that copy."""
+    import os
+    import subprocess
+    import time
+
+    from rlcli.backends.process import start_ticks
+    from rlcli.recipes import runner
+    from rlcli.runs import DETACHED_LOG
+
+    run_dir = Path(plan.run_dir).resolve()
+    config = options.write_config(run_dir, opts, recipe.COMMAND)
+    log = run_dir / DETACHED_LOG
+    lock_fd = runner.lock_run_dir(run_dir)
+    argv = [sys.executable, "-m", "rlcli.cli.main", *recipe.COMMAND.split()[1:]]
+    argv += ["--config", str(config), "--log-path", str(run_dir)]
+    env = {**os.environ, runner.INHERITED_LOCK_ENV: f"{lock_fd}:{run_dir}"}
+    with log.open("a") as out:
+        out.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv[1:])}\n")
+        out.flush()
+        child = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            pass_fds=(lock_fd,),
+        )
+    before = runner.read_record(run_dir) or {}
+    if not (before.get("pid") == child.pid and before.get("status") == "running"):
+        runner.write_record(
+            run_dir,
+            {
+                "id": run_dir.name,
+                "run_dir": str(run_dir),
+                "kind": recipe.COMMAND.split()[-1],
+                "model": opts.model,
+                "status": "starting",
+                "pid": child.pid,
+                "pid_start": start_ticks(child.pid),
+                "started": time.time(),
+                "total_steps": plan.steps,
+                "base_url": opts.base_url,
+                "detached_log": str(log),
+            },
+        )
+    runner.register_run(run_dir)
+    runner.release_run_dir(run_dir)  # the child holds the lock now
+    result = {
+        "id": run_dir.name,
+        "run_dir": str(run_dir),
+        "log": str(log),
+        "pid": child.pid,
+        "follow": f"rlcli runs show {run_dir.name} -f",
+        "cancel": f"rlcli runs cancel {run_dir.name}",
+    }
+    if as_json:
+        emit(result, as_json=True)
+        return
+    info(f"started {run_dir.name} in the background (pid {child.pid}); log: {log}")
+    info(f"follow: {result['follow']}; stop: {result['cancel']}")
+    sys.stdout.write(run_dir.name + "\n")
+
+
 options.typer_command(
     app,
     "sl",
@@ -127,7 +199,8 @@ options.typer_command(
     "rl",
     rl.RLOptions,
     lambda opts: _train(rl, opts),
-    help="RL on GSM8K with the cookbook's RL recipe; every loss, fused on the server.",
+    help="RL on an environment (gsm8k, arithmetic, niah, your own JSONL) with the cookbook's "
+    "RL recipe; every loss, fused on the server.",
 )
 options.typer_command(
     app,

@@ -1,6 +1,8 @@
-"""RL on GSM8K with any loss: rlcli's layer over the cookbook's ``rl.train``.
+"""RL on an environment of the registry (``rlcli.envs``: GSM8K, arithmetic, niah, a user's
+JSONL) with any loss: rlcli's layer over the cookbook's ``rl.train``.
 
-``prepare`` checks flags and plans without a server; the loss guard (``loss_guard.py``) runs
+``prepare`` checks flags, the environment (a JSONL's bad lines by number) and plans without a
+server; the loss guard (``loss_guard.py``) runs
 before any rollout; ``cookbook_config`` builds the recipe config from the saved spec;
 ``run_in_child`` runs it. The pedagogical version of the loop is the cookbook's
 ``recipes/rl_loop.py``.
@@ -39,7 +41,11 @@ GSPO_NOTE = (
 
 @dataclass(kw_only=True)
 class RLOptions(PolicyOptions):
-    dataset: str = option("gsm8k", "Problems to train on.", choices=("gsm8k",))
+    dataset: str = option(
+        "gsm8k",
+        "Environment to train on: gsm8k, arithmetic (the cookbook's), niah[:words=N,depth=D] "
+        '(needle in a haystack), or a JSONL file of {"question", "answer"} pairs.',
+    )
     gsm8k_dir: str | None = option(
         None, "Folder with GSM8K train.jsonl/test.jsonl (env: RLCLI_GSM8K_DIR; else the hub)."
     )
@@ -53,6 +59,7 @@ class RLPlan:
     run_dir: str
     loss: str
     loss_config: dict | None
+    dataset: str
     data_source: str
     train_problems: int
     test_problems: int
@@ -86,8 +93,8 @@ def run_dir_of(opts: RLOptions) -> Path:
 
 def prepare(opts: RLOptions, stdin=None, dry_run: bool = False) -> tuple[RLPlan, None]:
     """Check flags, model, renderer and data, and count the steps; no server, no writes."""
+    from rlcli import envs
     from rlcli.compat import resolve_renderer
-    from rlcli.data import gsm8k
     from rlcli.recipes import loss_guard
     from rlcli.recipes.preflight import check_model_arg, check_renderer
 
@@ -103,15 +110,22 @@ def prepare(opts: RLOptions, stdin=None, dry_run: bool = False) -> tuple[RLPlan,
         raise RlcliError("--kl-reference: set --kl-penalty-coef too (the penalty is off at 0)")
     check_model_arg(opts.model)
     check_renderer(opts.renderer)
-    folder = gsm8k.resolve_dir(opts.gsm8k_dir)
-    if folder is not None:
-        train_rows, test_rows = gsm8k.count_rows(folder, "train"), gsm8k.count_rows(folder, "test")
-    else:
+    env = envs.get(opts.dataset, flag="--dataset", gsm8k_dir=opts.gsm8k_dir)
+    if env.generated:  # one pass is the environment's own number of batches
+        train_rows, test_rows = env.train_batches * opts.batch_size, opts.eval_size
+    elif env.name == "gsm8k" and env.folder is None:  # the hub: counted, not downloaded
         train_rows, test_rows = GSM8K_TRAIN_ROWS, GSM8K_TEST_ROWS
+    else:
+        train_rows, test_rows = env.count("train") or 0, env.count("test") or 0
     if train_rows == 0:
-        raise RlcliError(f"--gsm8k-dir {folder}: train.jsonl has no rows")
+        raise RlcliError(f"--gsm8k-dir {env.source}: train.jsonl has no rows")
+    if opts.eval_every and not env.has_test_split:
+        raise RlcliError(
+            f"--eval-every {opts.eval_every}: {opts.dataset} is one split, no test problems; "
+            "score a held-out file with `rlcli eval rl --env HELD_OUT.jsonl`"
+        )
     if opts.eval_every and test_rows == 0:
-        raise RlcliError(f"--eval-every {opts.eval_every}: {folder}/test.jsonl has no rows")
+        raise RlcliError(f"--eval-every {opts.eval_every}: {env.source}/test.jsonl has no rows")
     renderer, source, _ = resolve_renderer(opts.model, opts.renderer)
     run_dir = run_dir_of(opts)
     steps = math.ceil(train_rows / opts.batch_size)  # the last batch may be partial
@@ -121,7 +135,8 @@ def prepare(opts: RLOptions, stdin=None, dry_run: bool = False) -> tuple[RLPlan,
         run_dir=str(run_dir),
         loss=opts.loss,
         loss_config=config,
-        data_source=str(folder) if folder else f"hub:{gsm8k.HUB_ID}",
+        dataset=str(env.path) if env.name == "jsonl" else opts.dataset,
+        data_source=env.source,
         train_problems=train_rows,
         test_problems=min(test_rows, opts.eval_size) if opts.eval_every else 0,
         problems_per_step=min(opts.batch_size, train_rows),
@@ -161,10 +176,12 @@ def gspo_note_applies(opts: RLOptions, backend: str | None) -> bool:
 
 
 def resolved(opts: RLOptions, plan: RLPlan, base_url: str) -> RLOptions:
-    folder = None if plan.data_source.startswith("hub:") else plan.data_source
+    """The options a run keeps: the server, renderer and run folder found, a JSONL dataset as
+    an absolute path and GSM8K's folder (so ``--config`` of the run trains on the same data)."""
+    gsm8k = plan.dataset == "gsm8k" and not plan.data_source.startswith("hub:")
     return dataclasses.replace(
-        opts, base_url=base_url, renderer=plan.renderer, gsm8k_dir=folder,
-        log_path=plan.run_dir,
+        opts, base_url=base_url, renderer=plan.renderer, dataset=plan.dataset,
+        gsm8k_dir=plan.data_source if gsm8k else None, log_path=plan.run_dir,
     )  # fmt: skip
 
 
@@ -180,15 +197,16 @@ def spec(opts: RLOptions, plan: RLPlan) -> dict:
 def cookbook_config(spec: dict):
     from tinker_cookbook.rl import train
 
-    from rlcli.recipes.gsm8k_builder import Gsm8kRowsBuilder
+    from rlcli.recipes.env_builder import EnvDatasetBuilder
 
     opts, plan = spec["options"], spec["plan"]
-    builder = Gsm8kRowsBuilder(
+    builder = EnvDatasetBuilder(
+        dataset=opts["dataset"],
         batch_size=opts["batch_size"],
         group_size=opts["group_size"],
         model_name_for_tokenizer=opts["model"],
         renderer_name=plan["renderer"],
-        data_dir=plan["data_source"] if not plan["data_source"].startswith("hub:") else None,
+        data_dir=opts["gsm8k_dir"],
         eval_size=opts["eval_size"] if opts["eval_every"] else 0,
         seed=opts["seed"],
     )

@@ -1,0 +1,76 @@
+"""The environment registry: one place that says what an RL environment's problems are and how
+an answer is graded, for both ``rlcli train rl --dataset`` and ``rlcli eval rl --env``.
+
+An environment hands out problems (small JSON-able rows) per split and turns a row into the
+cookbook ``ProblemEnv`` that prompts and grades it; training wraps those envs in the cookbook's
+``ProblemGroupBuilder`` (``recipes/env_builder.py``) and evaluation calls
+``initial_observation()`` / ``step(tokens)`` on the very same objects, so a reward means the same
+thing in both. Specs: ``gsm8k``, ``arithmetic``, ``niah`` (``niah:words=500,depth=0.5``), or a
+path to a JSONL file of ``{"question", "answer"}``. Nothing here imports torch or tinker at import
+time (``rlcli --help`` stays fast); the cookbook comes in with ``make_env``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlcli.envs.base import Environment, Problems
+from rlcli.errors import RlcliError
+
+NAMES = ("gsm8k", "arithmetic", "niah")
+USAGE = "gsm8k, arithmetic, niah[:words=N,depth=D], or a .jsonl file of {question, answer}"
+
+__all__ = ["NAMES", "USAGE", "Environment", "Problems", "get"]
+
+
+def get(spec: str, *, flag: str = "--env", gsm8k_dir: str | None = None) -> Environment:
+    """The environment ``spec`` names; one line naming ``flag`` if it names none.
+
+    ``gsm8k_dir``: GSM8K's folder (``--gsm8k-dir``; else ``$RLCLI_GSM8K_DIR``, else the hub).
+    """
+    name, _, params = spec.partition(":")
+    if name in NAMES:
+        settings = _params(params, spec, flag)
+        if name == "gsm8k":
+            from rlcli.envs.gsm8k import Gsm8k
+
+            _no_params(settings, spec, flag)
+            return Gsm8k(gsm8k_dir)
+        if name == "arithmetic":
+            from rlcli.envs.arithmetic import Arithmetic
+
+            _no_params(settings, spec, flag)
+            return Arithmetic()
+        from rlcli.envs.niah import Niah
+
+        return Niah.from_params(settings, spec, flag)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if (path / "task.toml").is_file() or (path / "instruction.md").is_file():
+            raise RlcliError(
+                f"{flag} {spec}: a Harbor task folder; Harbor environments need `rlcli train "
+                "harbor` support, which is not available yet"
+            )
+        raise RlcliError(f"{flag} {spec}: a folder, not an environment; use {USAGE}")
+    if path.is_file():
+        from rlcli.envs.jsonl import JsonlFile
+
+        return JsonlFile(path, flag)
+    if path.suffix == ".jsonl" or "/" in spec:
+        raise RlcliError(f"{flag} {spec}: no such file")
+    raise RlcliError(f"{flag} {spec}: unknown environment; use {USAGE}")
+
+
+def _params(text: str, spec: str, flag: str) -> dict[str, str]:
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise RlcliError(f"{flag} {spec}: expected name:key=value,... (got {item!r})")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _no_params(settings: dict, spec: str, flag: str) -> None:
+    if settings:
+        raise RlcliError(f"{flag} {spec}: this environment takes no settings")
