@@ -346,3 +346,98 @@ def score_teachers_with(teacher_for) -> None:
         return await original(data_D, teachers, *args, **kwargs)
 
     train_on_policy.incorporate_kl_penalty = incorporate_kl_penalty
+
+
+# ---- Cancel at a step boundary (rlcli runs cancel) -------------------------------------------
+#
+# tinker-cookbook 0.5.7 ends every step of its three loops with
+# ``ml_logger.log_metrics(metrics, step=i)`` on the ``ml_log.MultiplexLogger`` that
+# ``setup_logging`` returns (supervised/train.py ``finish_and_log``; rl/train.py and
+# distillation/train_on_policy.py ``do_sync_training``). That call is the step boundary: step i's
+# optimizer step has been applied and nothing of step i+1 is queued (SL runs with
+# ``submit_ahead=0``, above; the RL loops await their train step). The hook checks there for a
+# cancel request and raises ``RunCancelled`` out of the loop; the recipe's ``main`` (wrapped)
+# catches it and saves a checkpoint, kind "both", through the recipe's own ``CheckpointManager``
+# (``save_periodic_async``: the cookbook's naming, TTL and ``checkpoints.jsonl`` row) with the
+# loop state a resume reads: SL the ``{"epoch", "batch", "elapsed_tokens"}`` its
+# ``maybe_save_async`` was just given (the batch that comes next, as fixed above), RL and
+# distillation ``{"batch": i + 1}``. A checkpoint name always holds the same number of steps
+# (SL: ``i`` after i + 1 steps, like its periodic saves; RL: ``i + 1``), so a later save under
+# the same name holds the same state. tests/test_compat.py checks the seam.
+
+
+class RunCancelled(Exception):
+    """``rlcli runs cancel`` stopped the recipe at a step boundary; ``paths`` is the
+    checkpoint it saved (``state_path``, ``sampler_path``)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"cancelled after step {step + 1}")
+        self.step = step
+        self.paths: dict[str, str] = {}
+
+
+def install_cancel_hook(cancel_requested, report) -> None:
+    """In the recipe's child: stop the recipe cleanly, with a checkpoint, at the first step
+    boundary where ``cancel_requested()`` is true. Install it before ``install_run_hooks`` (so
+    it sees SL's loop state as the exact-resume fix records it)."""
+    from tinker_cookbook import checkpoint_utils
+    from tinker_cookbook.distillation import train_on_policy
+    from tinker_cookbook.rl import train as rl_train
+    from tinker_cookbook.supervised import train as sl_train
+    from tinker_cookbook.utils import ml_log
+
+    manager_class = checkpoint_utils.CheckpointManager
+    seen: dict = {"manager": None, "sl_state": None}
+
+    original_init = manager_class.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        seen["manager"] = self
+
+    manager_class.__init__ = init
+
+    original_maybe_save = manager_class.maybe_save_async
+
+    async def maybe_save_async(self, step, loop_state, *args, **kwargs):
+        seen["sl_state"] = (step, dict(loop_state))
+        return await original_maybe_save(self, step, loop_state, *args, **kwargs)
+
+    manager_class.maybe_save_async = maybe_save_async
+
+    original_log = ml_log.MultiplexLogger.log_metrics
+
+    def log_metrics(self, metrics, step=None):
+        original_log(self, metrics, step)
+        if step is not None and cancel_requested():
+            raise RunCancelled(int(step))
+
+    ml_log.MultiplexLogger.log_metrics = log_metrics
+
+    def wrap(module, sl: bool) -> None:
+        original_main = module.main
+
+        async def main(*args, **kwargs):
+            try:
+                return await original_main(*args, **kwargs)
+            except RunCancelled as cancelled:
+                manager = seen["manager"]
+                if manager is None:
+                    raise
+                step = cancelled.step
+                if sl and seen["sl_state"] and seen["sl_state"][0] == step:
+                    name, loop_state = step, seen["sl_state"][1]
+                else:
+                    name, loop_state = step + 1, {"batch": step + 1}
+                report("cancelling: saving a checkpoint", step=step)
+                await manager.finalize_async()  # in-flight saves land first
+                cancelled.paths = await manager.save_periodic_async(
+                    name, {**loop_state, "cancelled": True}
+                )
+                raise
+
+        module.main = main
+
+    wrap(sl_train, sl=True)
+    wrap(rl_train, sl=False)
+    wrap(train_on_policy, sl=False)

@@ -1,15 +1,172 @@
-"""``rlcli runs``: list, show, plot and cancel training runs. (Being built.)"""
+"""``rlcli runs``: list, show (and follow), plot and cancel training runs (``rlcli/runs.py``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+
+from rlcli.cli._output import emit, info
 
 app = typer.Typer(help="Training runs: list, show, plot, cancel.", no_args_is_help=True)
 
+JSON = typer.Option(False, "--json", help="Print results as JSON.")
+
 
 @app.command("list")
-def list_() -> None:
-    """Every run."""
-    from rlcli.errors import RlcliError
+def list_(as_json: bool = JSON) -> None:
+    """Every run in $RLCLI_HOME/runs and every --log-path folder used, newest first: kind,
+    model, status, steps, last loss / reward / KL, start, duration."""
+    from rlcli import runs
 
-    raise RlcliError("rlcli runs list: not built yet")
+    states = runs.list_runs()
+    if as_json:
+        emit(states, as_json=True)
+    elif not states:
+        info(f"no runs yet in {runs.runs_root()} (rlcli train sl|rl|opsd starts one)")
+    else:
+        emit([runs.row(s) for s in states], as_json=False)
+
+
+@app.command("show")
+def show(
+    run: str = typer.Argument(..., help="Run id (folder name, or a unique prefix) or folder."),
+    follow: bool = typer.Option(
+        False, "--follow", "-f", help="Follow a running run until it ends; exit with its outcome."
+    ),
+    as_json: bool = JSON,
+) -> None:
+    """A run's state, resolved config, progress, last metrics, checkpoints, and the error if it
+    failed."""
+    from rlcli import runs
+
+    run_dir = runs.resolve(run)
+    if follow:
+        _follow(run_dir)
+    shown = runs.show(run_dir)
+    if as_json:
+        emit(shown, as_json=True)
+    else:
+        _print_show(shown)
+    if follow and shown["status"] != "finished":
+        code = shown["exit_code"] or runs.EXIT_OF.get(shown["status"], 1)
+        raise typer.Exit(code)
+
+
+def _follow(run_dir: Path) -> None:
+    """Step lines and phases on stderr until the run is no longer running."""
+    import time
+
+    from rlcli import runs
+    from rlcli.recipes import opsd, rl, sl
+    from rlcli.recipes.progress import Follower
+
+    now = runs.state(run_dir)
+    recipe = {"sl": sl, "rl": rl, "opsd": opsd}.get(now["kind"] or "", sl)
+    if now["status"] not in runs.LIVE:
+        info(f"run {now['id']} is not running ({now['status']})")
+        return
+    info(
+        f"following {now['id']} (step {now['steps_done']}/{now['total_steps']}); "
+        "Ctrl-C stops following, not the run"
+    )
+    follower = Follower(run_dir, now["total_steps"] or 0, recipe.SHOW, info, recipe.TOKENS_KEY)
+    try:
+        while runs.state(run_dir)["status"] in runs.LIVE:
+            follower.poll()
+            time.sleep(0.5)
+        follower.poll()
+    except KeyboardInterrupt:
+        follower.close()
+        raise typer.Exit(130) from None
+    follower.close()
+    final = runs.state(run_dir)
+    info(f"run {final['id']} {final['status']}" + (f": {final['error']}" if final["error"] else ""))
+
+
+def _print_show(shown: dict) -> None:
+    from rlcli import runs
+
+    head = runs.row(shown)
+    head["run_dir"] = shown["run_dir"]
+    if shown["error"]:
+        head["error"] = shown["error"]
+    for name, path in shown["logs"].items():
+        head[f"log ({name})"] = path
+    emit(head, as_json=False, title=f"run {shown['id']}")
+    if shown["last_metrics"]:
+        last = {k: v for k, v in shown["last_metrics"].items() if not k.startswith("time/")}
+        emit(last, as_json=False, title="last metrics")
+    if shown["checkpoints"]:
+        table = [
+            {
+                "name": c.get("name"),
+                "epoch": c.get("epoch", ""),
+                "batch": c.get("batch", ""),
+                "state_path": c.get("state_path", ""),
+                "sampler_path": c.get("sampler_path", ""),
+            }
+            for c in shown["checkpoints"]
+        ]
+        emit(table, as_json=False, title="checkpoints")
+    if shown["config"]:
+        emit(shown["config"], as_json=False, title="config")
+
+
+@app.command("plot")
+def plot(
+    run: list[str] = typer.Argument(..., help="Run ids or folders; several are overlaid."),
+    out: Path | None = typer.Option(
+        None, "--output", "-o", help="PNG to write (default: curves.png in the first run's folder)."
+    ),
+    as_json: bool = JSON,
+) -> None:
+    """Loss / reward / accuracy / KL curves as a PNG: one panel per metric, the runs overlaid."""
+    from rlcli import runs
+
+    result = runs.plot([runs.resolve(r) for r in run], out)
+    if as_json:
+        emit(result, as_json=True)
+        return
+    for panel in result["panels"]:
+        drawn = ", ".join(f"{s['run']} ({s['points']} steps)" for s in panel["series"])
+        info(f"{panel['label']}: {drawn}")
+    typer.echo(result["path"])
+
+
+@app.command("cancel")
+def cancel(
+    run: str = typer.Argument(..., help="Run id (folder name, or a unique prefix) or folder."),
+    wait: float = typer.Option(
+        120.0,
+        "--wait",
+        help="Seconds to wait for the run to stop (it stops after its step).",
+        min=0,
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Stop it now with SIGTERM: no final checkpoint."
+    ),
+    as_json: bool = JSON,
+) -> None:
+    """Stop a running run cleanly: at the end of its current step it saves a checkpoint (state
+    and sampler weights) and is marked cancelled; resume it with its config.yaml."""
+    from rlcli import runs
+    from rlcli.recipes.options import resume_command
+
+    run_dir = runs.resolve(run)
+    result = runs.cancel(run_dir, wait=wait, force=force, report=info)
+    kind = runs.state(run_dir)["kind"] or "sl"
+    result["resume"] = resume_command(f"rlcli train {kind}", str(run_dir))
+    if as_json:
+        emit(result, as_json=True)
+        return
+    checkpoint = result["checkpoint"] or {}
+    shown = {
+        "run": result["id"],
+        "status": result["status"],
+        "steps": f"{result['steps_done']}/{result['total_steps']}",
+        "state_path": checkpoint.get("state_path", "(none)"),
+        "sampler_path": checkpoint.get("sampler_path", "(none)"),
+        "resume": result["resume"],
+    }
+    emit(shown, as_json=False, title="cancelled")

@@ -5,7 +5,9 @@ process dies (``PR_SET_PDEATHSIG``, checked against ``getppid`` right after, in 
 died before the call), so a killed ``rlcli`` never leaves a recipe writing to the run folder.
 Then it installs the compat hooks (exact SL resume, progress) and reports what it is doing in
 ``rlcli_status.jsonl`` from its first second. A failure ends with one ``rlcli-error:`` line
-(the exception, and where the full log is), which the parent shows as the error.
+(the exception, and where the full log is), which the parent shows as the error. A
+``rlcli runs cancel`` request ends the recipe at the next step boundary, after a checkpoint,
+with exit code ``CANCELLED_EXIT``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from pathlib import Path
 
 from rlcli.recipes.progress import STATUS
-from rlcli.recipes.runner import PARENT_PID_ENV, SPEC, SUMMARY
+from rlcli.recipes.runner import CANCEL, CANCELLED_EXIT, PARENT_PID_ENV, SPEC, SUMMARY
 
 
 def tie_to_parent() -> None:
@@ -46,11 +48,32 @@ class StatusFile:
             pass
 
 
+def cancel_requested(run_dir: Path):
+    """Whether ``rlcli runs cancel`` asked this run to stop: ``rlcli_cancel`` names the pid of
+    the ``rlcli`` process that runs it (a request left from an earlier attempt names another)."""
+    path, parent = run_dir / CANCEL, os.environ.get(PARENT_PID_ENV)
+
+    def requested() -> bool:
+        try:
+            request = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(request, dict) and str(request.get("pid")) == parent
+
+    return requested
+
+
 def main(run_dir: str) -> int:
     tie_to_parent()
     try:
         return _run(Path(run_dir))
     except Exception as e:  # the full traceback stays in console.log; the user gets one line
+        from rlcli.compat import RunCancelled
+
+        if isinstance(e, RunCancelled):
+            StatusFile(Path(run_dir))("cancelled", step=e.step)
+            print(f"rlcli-cancelled: {json.dumps(e.paths)}", flush=True)
+            return CANCELLED_EXIT
         import traceback
 
         traceback.print_exc()
@@ -73,9 +96,16 @@ def _run(folder: Path) -> int:
     if spec["recipe"] == "sl" and (spec.get("plan") or {}).get("held_out"):
         after = "evaluating the held-out loss"
 
+    cancelling = []
+
     def report(phase: str, **fields) -> None:
+        if phase.startswith("cancelling"):
+            cancelling.append(True)
+        elif phase == "recipe finished" and cancelling:
+            return  # no summary follows a cancel
         status(after if phase == "recipe finished" else phase, **fields)
 
+    compat.install_cancel_hook(cancel_requested(folder), report)  # first: see run hooks
     compat.install_run_hooks(report, seed=int((spec.get("options") or {}).get("seed") or 0))
     if spec["recipe"] == "sl":
         from rlcli.recipes import sl

@@ -92,6 +92,12 @@ class TrainOptions:
         None, "YAML or TOML file of options (flags override it).", saved=False
     )
     dry_run: bool = option(False, "Print the plan; contact no server.", saved=False)
+    detach: bool = option(
+        False,
+        "Check everything, then run in the background: print the run id and log, return at "
+        "once (follow: rlcli runs show ID -f; stop: rlcli runs cancel ID).",
+        saved=False,
+    )
     json: bool = option(False, "Print results as JSON.", saved=False)
 
 

@@ -68,6 +68,31 @@ class Rates:
         return tokens_per_s, elapsed / steps * max(total - self.step, 0)
 
 
+def read_rows(path: Path, seen: int) -> tuple[list[dict], int]:
+    """The JSONL rows of ``path`` after the first ``seen``, and the new count (a row still
+    being written is left for the next read)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return [], seen
+    rows = []
+    for line in lines[seen:]:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        rows.append(row if isinstance(row, dict) else {})
+    return rows, seen + len(rows)
+
+
+def count_lines(path: Path) -> int:
+    try:
+        with path.open() as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
 def read_events(run_dir: Path, seen: int) -> tuple[list[dict], int]:
     """The status events after the first ``seen`` lines, and the new count."""
     try:
@@ -169,3 +194,50 @@ class Progress:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
+
+
+class Follower:
+    """Follows a run folder: new ``metrics.jsonl`` rows become step lines (``show``: metric key
+    -> label), new status events the phase between steps. Used by the runner while it runs the
+    recipe, and by ``rlcli runs show --follow`` for a run another process runs."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        total: int,
+        show: dict[str, str],
+        report: Callable[[str], None],
+        tokens_key: str = "num_tokens",
+        tty: bool | None = None,
+    ) -> None:
+        self.run_dir, self.total, self.show, self.tokens_key = run_dir, total, show, tokens_key
+        self.metrics = run_dir / "metrics.jsonl"
+        self.seen = count_lines(self.metrics)  # a resumed run already has rows
+        self.events_seen = count_lines(run_dir / STATUS)
+        self.progress = Progress(total, report, tty=tty)
+        self.rates = Rates()
+
+    def poll(self) -> int:
+        """Show what is new; returns the number of new steps."""
+        rows, self.seen = read_rows(self.metrics, self.seen)
+        now = time.monotonic()
+        for row in rows:
+            self.rates.add(int(row.get("step", 0)) + 1, int(row.get(self.tokens_key) or 0))
+        for i, row in enumerate(rows):
+            step = int(row.get("step", 0)) + 1
+            last = i == len(rows) - 1
+            tokens_per_s, eta = self.rates.current(now, self.total) if last else (None, None)
+            values = {
+                label: float(row[key])
+                for key, label in self.show.items()
+                if isinstance(row.get(key), int | float)
+            }
+            self.progress.update(StepLine(step, self.total, values, tokens_per_s, eta))
+        if rows:
+            self.rates.end_poll(now)
+        events, self.events_seen = read_events(self.run_dir, self.events_seen)
+        self.progress.phases(events)
+        return len(rows)
+
+    def close(self) -> None:
+        self.progress.close()

@@ -12,7 +12,14 @@ the run folder; its console output goes to ``console.log`` there. This side:
   (``PR_SET_PDEATHSIG`` in ``child.py``), so no recipe ever runs on as an orphan;
 - holds an ``flock`` on ``<run_dir>/rlcli.lock`` (shared with the child), so a second command on
   the same run folder fails at once, naming the pid; the kernel drops it when both are gone;
-- turns a crash into one line (the child's ``rlcli-error:`` line, else the log's last lines).
+- turns a crash into one line (the child's ``rlcli-error:`` line, else the log's last lines);
+- keeps the run's record, ``rlcli_run.json`` (written whole, then renamed): running with this
+  pid, then finished / failed (the one-line error) / interrupted (the signal) / cancelled, with
+  the exit code; ``rlcli runs`` reads it (a record still saying running while the lock is free
+  is a run killed hard). Folders outside ``$RLCLI_HOME/runs`` are listed in its ``index.txt``;
+- ``rlcli runs cancel`` writes ``rlcli_cancel`` (this process's pid) into the folder; the child
+  checks it at each step boundary (``compat.install_cancel_hook``), saves a checkpoint and exits
+  with ``CANCELLED_EXIT``; the run is recorded as cancelled.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +40,7 @@ from pathlib import Path
 import httpx
 
 from rlcli.errors import RlcliError
-from rlcli.recipes.progress import STATUS, Progress, Rates, StepLine, read_events
+from rlcli.recipes.progress import STATUS, Follower, StepLine, read_rows
 
 __all__ = ["StepLine", "run_recipe", "lock_run_dir", "write_spec"]
 
@@ -40,6 +48,11 @@ SPEC = "rlcli_spec.json"
 SUMMARY = "rlcli_summary.json"
 CONSOLE = "console.log"
 LOCK = "rlcli.lock"
+RECORD = "rlcli_run.json"  # the run's state: running / finished / failed / interrupted / cancelled
+CANCEL = "rlcli_cancel"  # `rlcli runs cancel` asks the recipe to stop here (holds the rlcli pid)
+INDEX = "index.txt"  # $RLCLI_HOME/runs/index.txt: run folders elsewhere (--log-path)
+CANCELLED_EXIT = 4  # the recipe stopped at a `runs cancel` request, after a checkpoint
+INHERITED_LOCK_ENV = "RLCLI_RUN_LOCK_FD"  # a detached run's lock, handed over (train --detach)
 HEALTH_EVERY_S = float(os.environ.get("RLCLI_HEALTH_EVERY_S") or 5.0)
 HEALTH_FAILURES = 3  # in a row: refused connections are noticed in ~15 s, timeouts in ~40 s
 PARENT_PID_ENV = "RLCLI_PARENT_PID"  # the child checks its parent is still this pid
@@ -80,6 +93,17 @@ def lock_run_dir(run_dir: Path) -> int:
     run_dir = Path(run_dir).resolve()
     if run_dir in _LOCKS:
         return _LOCKS[run_dir]
+    inherited = os.environ.get(INHERITED_LOCK_ENV, "")
+    fd_text, _, path = inherited.partition(":")
+    if fd_text.isdigit() and Path(path) == run_dir:
+        # A detached run (``train --detach``): the foreground command took the lock and handed
+        # its descriptor over, so the folder was never unlocked in between.
+        del os.environ[INHERITED_LOCK_ENV]
+        fd = int(fd_text)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _LOCKS[run_dir] = fd
+        return fd
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -181,18 +205,21 @@ def run_recipe(
     """Run the recipe in ``run_dir``; returns its summary. ``show`` maps metric keys to the
     labels printed per step (e.g. ``{"train_mean_nll": "loss"}``); ``tokens_key`` is the
     per-step token count behind tokens/s; ``base_url`` (default: the spec's) is the server whose
-    health is watched. Every way out stops the child first."""
+    health is watched. Every way out stops the child first, and leaves the outcome in the run's
+    record (``rlcli_run.json``)."""
     run_dir = Path(run_dir)
     lock_fd = lock_run_dir(run_dir)
+    spec = {}
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+        spec = json.loads((run_dir / SPEC).read_text())
     if base_url is None:
-        with contextlib.suppress(FileNotFoundError, KeyError, TypeError, json.JSONDecodeError):
-            base_url = json.loads((run_dir / SPEC).read_text())["options"]["base_url"]
-    metrics = run_dir / "metrics.jsonl"
-    seen = _count_lines(metrics)  # a resumed run already has rows
-    events_seen = 0
+        with contextlib.suppress(KeyError, TypeError, AttributeError):
+            base_url = spec["options"]["base_url"]
+    record = start_record(run_dir, spec, total_steps, base_url)
     (run_dir / SUMMARY).unlink(missing_ok=True)
     (run_dir / STATUS).unlink(missing_ok=True)
     env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+    env.pop(INHERITED_LOCK_ENV, None)
     env.setdefault("TINKER_API_KEY", "tml-dummy")
     env.setdefault("TINKER_TELEMETRY", "0")
     watch = _HealthWatch(base_url) if base_url else None
@@ -203,11 +230,11 @@ def run_recipe(
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         previous[sig] = signal.signal(sig, on_signal)
-    progress = Progress(total_steps, report)
-    rates = Rates()
     stop_reason: tuple[str, int] | None = None  # (what happened, exit code)
     child = None
+    follower = None
     try:
+        follower = Follower(run_dir, total_steps, show, report, tokens_key)
         with (run_dir / CONSOLE).open("a") as console:
             child = subprocess.Popen(
                 [sys.executable, "-m", "rlcli.recipes.child", str(run_dir)],
@@ -221,28 +248,9 @@ def run_recipe(
         if watch is not None:
             watch.start()
         while True:
-            rows, seen = _new_rows(metrics, seen)
-            now = time.monotonic()
-            for row in rows:
-                step = int(row.get("step", 0)) + 1
-                rates.add(step, int(row.get(tokens_key) or 0))
-            for i, row in enumerate(rows):
-                step = int(row.get("step", 0)) + 1
-                last = i == len(rows) - 1
-                tokens_per_s, eta = rates.current(now, total_steps) if last else (None, None)
-                values = {
-                    label: float(row[key])
-                    for key, label in show.items()
-                    if isinstance(row.get(key), int | float)
-                }
-                progress.update(StepLine(step, total_steps, values, tokens_per_s, eta))
-            if rows:
-                rates.end_poll(now)
-            events, events_seen = read_events(run_dir, events_seen)
-            progress.phases(events)
+            new_steps = follower.poll()
             if child.poll() is not None:
-                rows, seen = _new_rows(metrics, seen)
-                if not rows:
+                if not new_steps:
                     break
                 continue
             if watch is not None and watch.failure:
@@ -255,32 +263,151 @@ def run_recipe(
         stop_reason = (SIGNAL_WHAT[e.signum], SIGNAL_EXIT[e.signum])
     except BrokenPipeError:
         stop_reason = (SIGNAL_WHAT[signal.SIGPIPE], SIGNAL_EXIT[signal.SIGPIPE])
+    except BaseException as e:  # a bug here: record it, stop the child, let it propagate
+        end_record(run_dir, record, "failed", 1, f"{type(e).__name__}: {e}")
+        raise
     finally:
         _ignore_stop_signals()  # stopping is under way: a second Ctrl-C must not cut it short
         if watch is not None:
             watch.stopped.set()
         if child is not None and child.poll() is None:
             _stop_child(child)
-        with contextlib.suppress(BrokenPipeError, OSError):
-            progress.close()
+        with contextlib.suppress(BrokenPipeError, OSError, AttributeError):
+            follower.close()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    try:
+        return _outcome(run_dir, record, child, stop_reason, watch, base_url, resume_hint)
+    finally:
+        (run_dir / CANCEL).unlink(missing_ok=True)
         release_run_dir(run_dir)
+
+
+def _outcome(run_dir, record, child, stop_reason, watch, base_url, resume_hint) -> dict:
+    """The summary of a finished run, else the ``RlcliError`` saying how it ended; either way
+    the run's record says it first."""
     if stop_reason is not None:
         what, code = stop_reason
+        status = "failed" if code == 1 else "interrupted"
+        end_record(run_dir, record, status, code, what)
         raise RlcliError(f"{what}; stopped the run. Resume with: {resume_hint}", exit_code=code)
+    if child.returncode == CANCELLED_EXIT:
+        last = last_checkpoint(run_dir) or {}
+        where = ", ".join(f"{k} {last[k]}" for k in ("state_path", "sampler_path") if k in last)
+        end_record(run_dir, record, "cancelled", CANCELLED_EXIT, None)
+        raise RlcliError(
+            f"cancelled (rlcli runs cancel) after step {_steps_done(run_dir)}; "
+            f"final checkpoint: {where or 'none'}. Resume with: {resume_hint}",
+            exit_code=CANCELLED_EXIT,
+        )
     if child.returncode != 0:
         gone = watch.check() if watch is not None else None  # did the recipe fail for that?
         if gone:
-            raise RlcliError(
-                f"the server at {base_url} {gone}; the run failed. Resume with: {resume_hint}"
-            )
-        raise RlcliError(_failure(run_dir, child.returncode))
+            what = f"the server at {base_url} {gone}"
+            end_record(run_dir, record, "failed", 1, what)
+            raise RlcliError(f"{what}; the run failed. Resume with: {resume_hint}")
+        failure = _failure(run_dir, child.returncode)
+        end_record(run_dir, record, "failed", 1, failure.splitlines()[0])
+        raise RlcliError(failure)
     try:
-        return json.loads((run_dir / SUMMARY).read_text())
+        summary = json.loads((run_dir / SUMMARY).read_text())
     except FileNotFoundError:
-        raise RlcliError(_failure(run_dir, child.returncode)) from None
+        failure = _failure(run_dir, child.returncode)
+        end_record(run_dir, record, "failed", 1, failure.splitlines()[0])
+        raise RlcliError(failure) from None
+    end_record(run_dir, record, "finished", 0, None)
+    return summary
+
+
+# ---- the run's record: what ``rlcli runs`` reads --------------------------------------------
+
+
+def write_record(run_dir: Path, record: dict) -> None:
+    """``rlcli_run.json``, written whole (temp file, then rename): never half a record."""
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".rlcli_run.")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, run_dir / RECORD)
+
+
+def read_record(run_dir: Path) -> dict | None:
+    try:
+        record = json.loads((Path(run_dir) / RECORD).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def start_record(run_dir: Path, spec: dict, total_steps: int, base_url: str | None) -> dict:
+    """Record the run as running by this process, and list its folder in the run index."""
+    from rlcli.backends.process import start_ticks
+
+    run_dir = Path(run_dir).resolve()
+    options = spec.get("options") or {}
+    before = read_record(run_dir) or {}
+    record = {
+        "id": run_dir.name,
+        "run_dir": str(run_dir),
+        "kind": spec.get("recipe"),
+        "model": options.get("model"),
+        "status": "running",
+        "pid": os.getpid(),
+        "pid_start": start_ticks(os.getpid()),
+        "started": time.time(),
+        "ended": None,
+        "exit_code": None,
+        "error": None,
+        "total_steps": total_steps,
+        "base_url": base_url,
+        "detached_log": before.get("detached_log") if before.get("pid") == os.getpid() else None,
+    }
+    write_record(run_dir, record)
+    register_run(run_dir)
+    return record
+
+
+def end_record(run_dir: Path, record: dict, status: str, code: int, error: str | None) -> None:
+    with contextlib.suppress(OSError):
+        write_record(
+            run_dir,
+            {**record, "status": status, "ended": time.time(), "exit_code": code, "error": error},
+        )
+
+
+def register_run(run_dir: Path) -> None:
+    """Add a run folder outside ``$RLCLI_HOME/runs`` to ``$RLCLI_HOME/runs/index.txt`` (one
+    absolute path a line; gone folders dropped on the way), so ``rlcli runs`` finds it."""
+    from rlcli.home import rlcli_home
+
+    runs = rlcli_home() / "runs"
+    run_dir = Path(run_dir).resolve()
+    if run_dir.parent == runs.resolve():
+        return
+    with contextlib.suppress(OSError):
+        runs.mkdir(parents=True, exist_ok=True)
+        index = runs / INDEX
+        with index.open("a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # one writer at a time; released on close
+            f.seek(0)
+            paths = [p for p in f.read().splitlines() if p.strip()]
+            if str(run_dir) in paths and all(Path(p).is_dir() for p in paths):
+                return
+            kept = [p for p in dict.fromkeys([*paths, str(run_dir)]) if Path(p).is_dir()]
+            fd, tmp = tempfile.mkstemp(dir=runs, prefix=".index.")
+            with os.fdopen(fd, "w") as out:
+                out.write("".join(p + "\n" for p in kept))
+            os.replace(tmp, index)
+
+
+def last_checkpoint(run_dir: Path) -> dict | None:
+    rows, _ = read_rows(Path(run_dir) / "checkpoints.jsonl", 0)
+    return rows[-1] if rows else None
+
+
+def _steps_done(run_dir: Path) -> int:
+    rows, _ = read_rows(Path(run_dir) / "metrics.jsonl", 0)
+    return max((int(r.get("step", -1)) + 1 for r in rows), default=0)
 
 
 def _stop_child(child: subprocess.Popen, grace: float = 10.0) -> None:
@@ -310,24 +437,3 @@ def _failure(run_dir: Path, code: int) -> str:
     tail = "\n  ".join(lines[-12:])
     log = run_dir / CONSOLE
     return f"the training run failed (exit code {code}); last lines of {log}:\n  {tail}"
-
-
-def _count_lines(path: Path) -> int:
-    try:
-        return sum(1 for _ in path.open())
-    except FileNotFoundError:
-        return 0
-
-
-def _new_rows(path: Path, seen: int) -> tuple[list[dict], int]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return [], seen
-    rows = []
-    for line in lines[seen:]:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a row still being written: read it next time
-            break
-    return rows, seen + len(rows)
