@@ -1,0 +1,146 @@
+"""`rlcli sample` and `rlcli chat` against a real server: a checkpoint taught one answer
+("zebra zebra zebra") says it, the base model does not; --raw skips the chat template; -n
+gives that many; the prompt can come from stdin; a chat driven through a pty answers from the
+checkpoint, /reset and Ctrl-D work; a training state, a missing checkpoint and a dead server
+are one line each."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import RLCLI, run_rlcli
+
+ANSWER = "zebra zebra zebra"
+
+
+def train_zebra(base_url: str, model: str, name: str = "zebra") -> dict[str, str]:
+    """A LoRA taught to answer ANSWER to one chat turn (40 steps, ~7 s on the tiny model):
+    its sampler path, its state path and the training client's run id."""
+    import tinker
+    from tinker import types
+    from tinker_cookbook import renderers
+
+    from rlcli.compat import resolve_renderer
+
+    service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
+    trainer = service.create_lora_training_client(base_model=model, rank=16, seed=0)
+    renderer_name, _, tokenizer = resolve_renderer(model, None)
+    renderer = renderers.get_renderer(renderer_name, tokenizer)
+    messages = [
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": ANSWER},
+    ]
+    model_input, weights = renderer.build_supervised_example(messages)
+    ids, weights = model_input.to_ints(), list(weights)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": weights[1:]},
+    )
+    for _ in range(40):
+        trainer.forward_backward([datum], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    return {
+        "sampler": trainer.save_weights_for_sampler(name).result().path,
+        "state": trainer.save_state(name).result().path,
+        "run_id": trainer.model_id,
+    }
+
+
+@pytest.fixture(scope="module")
+def zebra(server, tiny_model):
+    return train_zebra(server.base_url, str(tiny_model))
+
+
+def test_sample_answers_from_the_checkpoint_not_the_base_model(server, tiny_model, zebra):
+    from tinker_cookbook import renderers
+
+    from rlcli.compat import resolve_renderer
+
+    url = ["--base-url", server.base_url]
+    greedy = ["--prompt", "Hello there", "--temperature", "0", "--max-tokens", "12"]
+    out = run_rlcli("sample", "--checkpoint", zebra["sampler"], *greedy, "-n", "3", "--json", *url)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["checkpoint"] == zebra["sampler"]
+    assert result["model"] == str(tiny_model)  # asked from the server
+    assert len(result["samples"]) == 3
+    assert all(s["text"].startswith("zebra zebra") for s in result["samples"]), result
+    name, _, tokenizer = resolve_renderer(str(tiny_model), None)
+    rendered = renderers.get_renderer(name, tokenizer).build_generation_prompt(
+        [{"role": "user", "content": "Hello there"}]
+    )
+    assert result["prompt_tokens"] == rendered.length  # the chat template was applied
+    assert {s["tokens"] for s in result["samples"]} == {12}
+    assert {s["stop_reason"] for s in result["samples"]} == {"length"}
+
+    base = run_rlcli("sample", "--model", str(tiny_model), *greedy, *url)
+    assert base.returncode == 0, base.stderr
+    assert base.stdout.strip() and "zebra" not in base.stdout
+
+    raw = run_rlcli(
+        "sample", "-c", zebra["sampler"], "--raw", "-p", "-", "--max-tokens", "5",
+        "--seed", "1", "-n", "2", "--json", *url, stdin="Hello there\n",
+    )  # fmt: skip
+    assert raw.returncode == 0, raw.stderr
+    raw_result = json.loads(raw.stdout)
+    assert raw_result["renderer"] is None
+    assert raw_result["prompt_tokens"] == len(tokenizer.encode("Hello there"))
+    assert len(raw_result["samples"]) == 2
+
+
+def test_sample_refuses_what_it_cannot_sample_in_one_line(server, tiny_model, zebra):
+    url = ["--base-url", server.base_url]
+    state = run_rlcli("sample", "-c", zebra["state"], "-p", "hi", *url)
+    assert state.returncode == 1
+    (line,) = state.stderr.strip().splitlines()[-1:]
+    assert "training state" in line and zebra["sampler"] in line  # names the samplable path
+    missing = zebra["sampler"].replace("/zebra", "/nope")
+    gone = run_rlcli("sample", "-c", missing, "-p", "hi", *url)
+    assert gone.returncode == 1 and "no such checkpoint" in gone.stderr
+    other = run_rlcli("sample", "--model", "org/other-model", "-p", "hi", *url)
+    assert other.returncode == 1 and f"serves {tiny_model}" in other.stderr
+    dead = run_rlcli(
+        "sample", "--model", str(tiny_model), "-p", "hi", "--base-url", "http://127.0.0.1:9"
+    )
+    assert dead.returncode == 1 and "no Tinker server answered" in dead.stderr
+    assert len(dead.stderr.strip().splitlines()) == 1
+
+
+def test_chat_in_a_terminal_answers_from_the_checkpoint(server, zebra):
+    import pexpect
+
+    child = pexpect.spawn(
+        RLCLI[0],
+        [*RLCLI[1:], "chat", "-c", zebra["sampler"], "--temperature", "0", "--max-tokens", "12",
+         "--base-url", server.base_url],
+        encoding="utf-8",
+        timeout=120,
+        env={**os.environ, "TERM": "dumb"},
+    )  # fmt: skip
+    try:
+        answers = []
+        child.expect("you> ")
+        child.sendline("Hello there")
+        child.expect(r"model> (.*)\r\n")
+        answers.append(child.match.group(1))
+        child.expect("you> ")
+        child.sendline("And once more?")  # the second turn is rendered after the first
+        child.expect(r"model> (.*)\r\n")
+        answers.append(child.match.group(1))
+        assert all("zebra" in a for a in answers), answers
+        child.expect("you> ")
+        child.sendline("/reset")
+        child.expect(r"conversation forgotten")
+        child.expect("you> ")
+        child.sendline("Hello there")  # a fresh conversation: the first answer again
+        child.expect(r"model> (.*)\r\n")
+        assert child.match.group(1) == answers[0]
+        child.expect("you> ")
+        child.sendeof()  # Ctrl-D leaves
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, child.before
