@@ -1,17 +1,122 @@
-"""``rlcli eval``: score a policy on an RL environment. (Being built: issue 12.)"""
+"""``rlcli eval``: score a policy on an RL environment (the library: ``rlcli.evaluate``).
+
+``eval rl``'s flags come from ``EvalOptions`` through the same options machinery as the train
+commands, so ``--config FILE`` works the same way. Results go to stdout (a table, or JSON with
+every task); progress to stderr (a Rich bar on a terminal, plain lines otherwise).
+"""
 
 from __future__ import annotations
 
+import sys
+
 import typer
+
+from rlcli.cli._output import emit, info
+from rlcli.evaluate import EvalOptions
+from rlcli.recipes import options
 
 app = typer.Typer(
     help="Evaluate a policy: reward statistics on an environment.", no_args_is_help=True
 )
 
+SHOWN = (
+    ("model", "model"),
+    ("checkpoint", "checkpoint"),
+    ("tasks", "tasks"),
+    ("mean_reward", "mean reward"),
+    ("std_reward", "std"),
+    ("pass_rate", "pass rate"),
+    ("tokens_generated", "tokens generated"),
+    ("seconds", "seconds"),
+    ("tasks_per_s", "tasks/s"),
+    ("tokens_per_s", "tokens/s"),
+)
 
-@app.command("rl")
-def rl() -> None:
-    """Score a policy on an RL environment."""
-    from rlcli.errors import RlcliError
 
-    raise RlcliError("rlcli eval rl: not built yet")
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def table(result: dict) -> None:
+    """One column per policy (base, checkpoint, and their difference with --compare)."""
+    title = f"eval rl: {result['env']} ({result['tasks']} tasks, seed {result['seed']})"
+    if "difference" not in result:
+        rows = {"env": result["env"]} | {name: _fmt(result[key]) for key, name in SHOWN}
+        emit(rows, as_json=False, title=title)
+        return
+    base, trained, diff = result["base"], result["checkpoint"], result["difference"]
+    rows = [
+        {
+            "": name,
+            "base": _fmt(base[key]),
+            "checkpoint": _fmt(trained[key]),
+            "difference": _fmt(diff[key]) if key in diff else "",
+        }
+        for key, name in SHOWN
+    ]
+    emit(rows, as_json=False, title=title)
+
+
+class Progress:
+    """Tasks done per policy: a Rich bar on a terminal, else a line every tenth of the tasks."""
+
+    def __init__(self) -> None:
+        self.bar = None
+        self.ids: dict[str, int] = {}
+        self.shown: dict[str, int] = {}
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+            self.bar = Progress(
+                "[bold]{task.description}",
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=False,
+            )
+            self.bar.start()
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        if self.bar is not None:
+            if label not in self.ids:
+                self.ids[label] = self.bar.add_task(f"scoring {label}", total=total)
+            self.bar.update(self.ids[label], completed=done)
+            return
+        step = max(1, total // 10)
+        if done in (0, total) or done // step > self.shown.get(label, 0) // step:
+            self.shown[label] = done
+            info(f"scoring {label}: {done}/{total} tasks")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def run(opts: EvalOptions) -> None:
+    from rlcli.evaluate import evaluate
+
+    progress = Progress()
+    try:
+        result = evaluate(opts, report=progress, info=info)
+    finally:
+        progress.close()
+    if opts.json:
+        emit(result, as_json=True)
+    else:
+        table(result)
+
+
+options.typer_command(
+    app,
+    "rl",
+    EvalOptions,
+    run,
+    help="Score a policy (a base model or a sampler checkpoint) on an RL environment: mean and "
+    "std of the reward, pass rate, tokens, time; --compare puts base and checkpoint side by side.",
+)

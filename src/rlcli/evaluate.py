@@ -1,0 +1,274 @@
+"""``rlcli eval rl``: score a policy (a base model or a sampler checkpoint) on an environment of
+the registry (``rlcli.envs``) and report reward statistics.
+
+The tasks are the environment's test problems for ``seed`` (a data split shuffled by it, a
+generated one drawn from its test stream), each turned into the same cookbook ``ProblemEnv``
+that ``train rl`` trains on: ``initial_observation()`` is the prompt, ``step(tokens)`` the
+reward, so training and evaluation grade identically. Every task's request is sent at once
+(at most ``concurrency`` in flight) through the tinker SDK's ``sample_async``, so the server
+batches across tasks; each carries a seed derived from ``seed`` and the task's id, and
+temperature 0 is greedy. ``compare`` scores the base model and the checkpoint on the same
+tasks, one after the other (each side's time is its own).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from rlcli.errors import RlcliError
+from rlcli.recipes.options import option
+
+Report = Callable[[str, int, int], None]  # (policy label, tasks done, tasks in all)
+
+
+@dataclass(kw_only=True)
+class EvalOptions:
+    env: str = option(
+        help="Environment: gsm8k (test split), arithmetic, niah[:words=N,depth=D], or a JSONL "
+        'file of {"question", "answer"} pairs (a Harbor task folder is not supported yet).'
+    )
+    model: str | None = option(
+        None, "Base model (default with --checkpoint: the checkpoint's base model)."
+    )
+    checkpoint: str | None = option(
+        None, "Sampler checkpoint to score: tinker://RUN/sampler_weights/NAME (default: the base)."
+    )
+    compare: bool = option(False, "Score the base model and --checkpoint side by side.")
+    tasks: int = option(100, "Tasks to score (at most the split's size).", min=1)
+    max_new_tokens: int = option(256, "Longest answer, in tokens.", flags=("--max-tokens",), min=1)
+    temperature: float = option(0.0, "Sampling temperature (0: greedy).", min=0)
+    seed: int = option(0, "Seed for task selection and sampling (same seed, same numbers).", min=0)
+    pass_threshold: float = option(1.0, "A task passes when its reward is at least this.")
+    gsm8k_dir: str | None = option(
+        None, "Folder with GSM8K train.jsonl/test.jsonl (env: RLCLI_GSM8K_DIR; else the hub)."
+    )
+    renderer: str | None = option(None, "Chat renderer (default: recommended for the model).")
+    concurrency: int = option(64, "Sample requests in flight at once.", min=1)
+    base_url: str | None = option(
+        None,
+        "Tinker server (default: $TINKER_BASE_URL, else the server `rlcli serve` runs here, "
+        "else http://localhost:8000).",
+    )
+    config: str | None = option(
+        None, "YAML or TOML file of options (flags override it).", saved=False
+    )
+    json: bool = option(False, "Print results as JSON (with every task).", saved=False)
+
+
+@dataclass
+class TaskResult:
+    id: str
+    prompt: str
+    response: str
+    reward: float
+    passed: bool
+    tokens: int
+
+
+@dataclass
+class PolicyResult:
+    policy: str  # "base" or "checkpoint"
+    model: str
+    checkpoint: str | None
+    tasks: int
+    mean_reward: float
+    std_reward: float
+    pass_rate: float
+    passed: int
+    tokens_generated: int
+    seconds: float
+    tasks_per_s: float
+    tokens_per_s: float
+    per_task: list[TaskResult]
+
+    def summary(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "per_task"}
+
+
+@dataclass
+class Task:
+    id: str
+    question: str
+    env: object  # the cookbook ProblemEnv
+    prompt: object  # tinker.ModelInput
+    stop: list
+
+
+def task_seed(seed: int, task_id: str) -> int:
+    """A sampling seed per task: the same for a task whatever else runs beside it."""
+    digest = hashlib.sha256(f"{seed}/{task_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict:
+    """Run the evaluation ``opts`` describes; the result as a JSON-able dict (``per_task`` in
+    each side). ``report(label, done, total)`` is called as tasks finish; ``info(line)`` gets
+    what was resolved (server, renderer)."""
+    import asyncio
+
+    from rlcli import endpoint, envs, talk
+
+    say = info or (lambda line: None)
+    if opts.compare and not opts.checkpoint:
+        raise RlcliError("--compare: pass --checkpoint tinker://RUN/sampler_weights/NAME too")
+    if opts.checkpoint:
+        talk.split_tinker_path(opts.checkpoint)  # the form, before anything else
+    if opts.model:
+        from rlcli.recipes.preflight import check_model_arg
+
+        check_model_arg(opts.model)
+    env = envs.get(opts.env, gsm8k_dir=opts.gsm8k_dir)
+    problems = env.problems("test", opts.seed, opts.tasks)
+    url, source = endpoint.resolve_base_url(opts.base_url)
+    target = talk.resolve_target(url, source, opts.model, opts.checkpoint)
+    _check_max_tokens(url, opts.max_new_tokens)
+    say(endpoint.describe(url, source))
+    renderer, renderer_name, why = _renderer(target.base_model, opts.renderer)
+    if not opts.renderer:
+        say(f"renderer: {renderer_name} ({why})")
+    tasks = asyncio.run(_tasks(env, problems, renderer))
+    sides = [("base", None)] if not opts.checkpoint else [("checkpoint", opts.checkpoint)]
+    if opts.compare:
+        sides.insert(0, ("base", None))
+    results = [
+        asyncio.run(_score(opts, target, label, checkpoint, tasks, renderer, report))
+        for label, checkpoint in sides
+    ]
+    common = {
+        "env": opts.env,
+        "source": env.source,
+        "tasks": len(tasks),
+        "seed": opts.seed,
+        "temperature": opts.temperature,
+        "max_new_tokens": opts.max_new_tokens,
+        "pass_threshold": opts.pass_threshold,
+        "renderer": renderer_name,
+        "base_url": url,
+    }
+    if not opts.compare:
+        return {**common, **asdict(results[0])}
+    base, trained = results
+    keys = ("mean_reward", "std_reward", "pass_rate", "passed", "tokens_generated")
+    return {
+        **common,
+        "base": asdict(base),
+        "checkpoint": asdict(trained),
+        "difference": {k: getattr(trained, k) - getattr(base, k) for k in keys},
+    }
+
+
+def _check_max_tokens(url: str, max_tokens: int) -> None:
+    from rlcli.recipes.preflight import Server
+
+    top = Server(url).caps.get("max_sample_tokens")
+    if isinstance(top, int) and max_tokens > top:
+        raise RlcliError(
+            f"--max-new-tokens {max_tokens}: the server at {url} samples at most {top}"
+        )
+
+
+def _renderer(model: str, requested: str | None):
+    from tinker_cookbook import renderers
+
+    from rlcli.compat import resolve_renderer
+    from rlcli.recipes.preflight import check_renderer
+
+    check_renderer(requested)
+    name, why, tokenizer = resolve_renderer(model, requested)
+    if tokenizer is None:
+        raise RlcliError(
+            f"cannot load the tokenizer of {model} here (the policy's base model); pass --model "
+            "with a local copy or its hub id"
+        )
+    return renderers.get_renderer(name, tokenizer), name, why
+
+
+async def _tasks(env, problems, renderer) -> list[Task]:
+    out = []
+    for row in problems:
+        problem = env.make_env(row, renderer)
+        prompt, stop = await problem.initial_observation()
+        out.append(Task(str(row["id"]), problem.get_question(), problem, prompt, stop))
+    return out
+
+
+async def _score(opts, target, label, checkpoint, tasks, renderer, report) -> PolicyResult:
+    """Every task sampled once through the SDK (bounded concurrency) and graded by its env."""
+    import asyncio
+
+    import tinker
+    from tinker import types
+    from tinker_cookbook.renderers import get_text_content
+
+    from rlcli import endpoint, talk
+
+    side = talk.Target(target.base_url, target.base_model, checkpoint)
+    service = tinker.ServiceClient(base_url=target.base_url, api_key=endpoint.api_key())
+    try:
+        if checkpoint:
+            client = await service.create_sampling_client_async(model_path=checkpoint)
+        else:
+            client = await service.create_sampling_client_async(base_model=target.base_model)
+    except tinker.APIStatusError as e:
+        raise RlcliError(f"{side.label}: the server refused it: {e}") from None
+    gate = asyncio.Semaphore(opts.concurrency)
+    done = 0
+
+    async def one(task: Task) -> TaskResult:
+        nonlocal done
+        params = types.SamplingParams(
+            max_tokens=opts.max_new_tokens,
+            temperature=opts.temperature,
+            seed=task_seed(opts.seed, task.id),
+            stop=task.stop,
+        )
+        async with gate:
+            try:
+                response = await client.sample_async(task.prompt, 1, params)
+            except Exception as e:
+                error = talk.sample_error(side, e)
+                raise RlcliError(f"task {task.id}: {error}") from None
+        tokens = list(response.sequences[0].tokens)
+        step = await task.env.step(tokens)
+        message, _ = renderer.parse_response(tokens)
+        done += 1
+        if report:
+            report(label, done, len(tasks))
+        reward = float(step.reward)
+        return TaskResult(
+            id=task.id,
+            prompt=task.question,
+            response=get_text_content(message),
+            reward=reward,
+            passed=reward >= opts.pass_threshold,
+            tokens=len(tokens),
+        )
+
+    if report:
+        report(label, 0, len(tasks))
+    start = time.perf_counter()
+    per_task = list(await asyncio.gather(*(one(t) for t in tasks)))
+    seconds = time.perf_counter() - start
+    rewards = [t.reward for t in per_task]
+    passed = sum(t.passed for t in per_task)
+    tokens = sum(t.tokens for t in per_task)
+    return PolicyResult(
+        policy=label,
+        model=target.base_model,
+        checkpoint=checkpoint,
+        tasks=len(per_task),
+        mean_reward=statistics.fmean(rewards),
+        std_reward=statistics.pstdev(rewards),
+        pass_rate=passed / len(per_task),
+        passed=passed,
+        tokens_generated=tokens,
+        seconds=seconds,
+        tasks_per_s=len(per_task) / seconds if seconds > 0 else math.inf,
+        tokens_per_s=tokens / seconds if seconds > 0 else math.inf,
+        per_task=per_task,
+    )
