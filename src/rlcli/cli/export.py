@@ -1,10 +1,109 @@
-"""``rlcli export``: a checkpoint as a PEFT adapter folder or a merged model. (Being built.)"""
+"""``rlcli export`` (a checkpoint as a PEFT adapter folder or a merged transformers model) and
+``rlcli restore`` (an exported training state onto another server). Thin over ``rlcli.export``.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 
-def export() -> None:
-    """Export a checkpoint."""
-    from rlcli.errors import RlcliError
+import typer
 
-    raise RlcliError("rlcli export: not built yet")
+from rlcli.cli._output import emit, info
+from rlcli.errors import RlcliError
+
+BASE_URL = typer.Option(
+    None, "--base-url", help="Server (default: $TINKER_BASE_URL, the one running here, :8000)."
+)
+
+
+def export(
+    run: str = typer.Argument(
+        None,
+        metavar="[RUN]",
+        help="A run folder (or its name under $RLCLI_HOME/runs): its last checkpoint.",
+    ),
+    checkpoint: str = typer.Option(
+        None, "--checkpoint", "-c", help="tinker://RUN/(weights|sampler_weights)/NAME."
+    ),
+    output: Path = typer.Option(..., "--output", "-o", help="Folder to write (new or empty)."),
+    merge: bool = typer.Option(
+        False,
+        "--merge",
+        help="Merge the adapter into the base model: a transformers model folder "
+        "(AutoModelForCausalLM.from_pretrained loads it; so does vLLM).",
+    ),
+    with_optimizer: bool = typer.Option(
+        False,
+        "--with-optimizer",
+        help="A training state (weights/...) with its optimizer.pt and run.json, so "
+        "`rlcli restore` can continue the run on another server.",
+    ),
+    base_model: str = typer.Option(
+        None,
+        "--base-model",
+        help="With --merge: where to load the base model from (default: the checkpoint's).",
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder."),
+    base_url: str = BASE_URL,
+    as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
+) -> None:
+    """Export a checkpoint: a LoRA adapter folder in PEFT format, or with --merge a full model.
+
+    The folder is built beside -o DIR and renamed into place at the end, so a failure leaves
+    DIR as it was. rlcli_export.json in it records where it came from.
+    """
+    from rlcli import endpoint
+    from rlcli import export as exporting
+
+    if bool(run) == bool(checkpoint):
+        raise RlcliError("pass a RUN folder or --checkpoint tinker://... (one of them)")
+    path = checkpoint or exporting.from_run(run, with_optimizer)
+    exporting.check_source(path, with_optimizer)
+    url, source = endpoint.resolve_base_url(base_url)
+    endpoint.check_server(url, source=source, timeout=5)
+    info(endpoint.describe(url, source))
+    result = exporting.export(
+        url,
+        path,
+        output,
+        merge_model=merge,
+        with_optimizer=with_optimizer,
+        base_model=base_model,
+        force=force,
+        say=info,
+    )
+    if as_json:
+        emit(result, as_json=True)
+        return
+    files = result.pop("files")
+    what = "merged model" if merge else "PEFT adapter"
+    emit({k: v for k, v in result.items() if k != "server"}, as_json=False, title=what)
+    emit([{"file": f["file"], "size": exporting.human(f["bytes"])} for f in files], as_json=False)
+
+
+def restore(
+    folder: Path = typer.Argument(..., help="A folder `rlcli export --with-optimizer` wrote."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace a checkpoint of that path already on the server."
+    ),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Accept a server whose base model has another name (same weights, another path).",
+    ),
+    base_url: str = BASE_URL,
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Put an exported training state on a server (rlcli's) under its original tinker:// path.
+
+    The run then continues there: `rlcli train sl --log-path RUN --base-url URL` resumes from
+    it, or the SDK's create_training_client_from_state_with_optimizer(path).
+    """
+    from rlcli import endpoint
+    from rlcli import export as exporting
+
+    url, source = endpoint.resolve_base_url(base_url)
+    endpoint.check_server(url, source=source, timeout=5)
+    info(endpoint.describe(url, source))
+    result = exporting.restore(url, folder, overwrite=overwrite, force=force, say=info)
+    emit(result, as_json=as_json, title="restored")

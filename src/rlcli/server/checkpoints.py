@@ -219,6 +219,31 @@ def write_adapter(
     return version
 
 
+def write_files(directory: str | Path, sources: dict[str, Path], meta: dict[str, Any]) -> Path:
+    """Write a new version of the checkpoint named ``directory`` from files already on disk
+    (``{name in the version: source file}``, e.g. an uploaded state) and point the name at it,
+    as ``write_adapter`` does: a failure at any point leaves the previous version in place."""
+    link = Path(directory)
+    parent = link.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    version = parent / f"{VERSION_PREFIX}{link.name}-{time.time_ns()}"
+    version.mkdir()
+    try:
+        for name, source in sources.items():
+            shutil.copyfile(source, version / name)
+        meta = {**meta, "created": time.time(), "size_bytes": folder_size(version)}
+        (version / "checkpoint.json").write_text(json.dumps(meta, indent=2) + "\n")
+        for path in version.iterdir():
+            _fsync(path)
+        _fsync(version)
+        _point(link, version)
+    except BaseException:
+        shutil.rmtree(version, ignore_errors=True)
+        raise
+    sweep_versions(parent)
+    return version
+
+
 def _point(link: Path, version: Path) -> None:
     """Make ``link`` name ``version`` in one rename (a real folder from an older layout is
     first moved aside as a version, so it is swept like one)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import tarfile
 import tempfile
@@ -29,6 +30,8 @@ public = APIRouter()  # the archive link: the CLI fetches it with plain urllib a
 
 ARCHIVE_TTL_S = 15 * 60
 ARCHIVE_FILES = ("adapter_config.json", "adapter_model.safetensors", "checkpoint.json")
+WITH_OPTIMIZER = "o-"  # archive tokens that include optimizer.pt and run.json start so;
+PLAIN = "a-"  # the others start so (a bare random token could begin with "o-")
 
 
 def iso(ts: float | None) -> str | None:
@@ -185,12 +188,30 @@ async def set_checkpoint_ttl(run_id: str, kind: str, name: str, body: SetTtl, st
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/archive")
-async def checkpoint_archive(run_id: str, kind: str, name: str, request: Request, state: State):
-    folder, _ = _find_checkpoint(state, run_id, kind, name)
+async def checkpoint_archive(
+    run_id: str,
+    kind: str,
+    name: str,
+    request: Request,
+    state: State,
+    include_optimizer: bool = False,
+):
+    """A link to a tar of the checkpoint. ``include_optimizer`` (rlcli's opt-in; the tinker
+    CLI never sends it) adds ``optimizer.pt`` and the run's ``run.json`` of a training state,
+    so ``rlcli restore`` can continue the run on another server."""
+    folder, version = _find_checkpoint(state, run_id, kind, name)
+    if include_optimizer:
+        if kind != "weights":
+            raise HTTPException(
+                400, "include_optimizer: only a training state (weights/<name>) has one"
+            )
+        if not (version / "optimizer.pt").is_file():
+            raise HTTPException(409, f"include_optimizer: {run_id}/{kind}/{name} has none saved")
     now = time.time()
     for token in [t for t, (_, exp) in state.archives.items() if exp < now]:
         del state.archives[token]
-    token = secrets.token_urlsafe(24)
+    # The choice is remembered with the token: only tokens the server issued are in the table.
+    token = (WITH_OPTIMIZER if include_optimizer else PLAIN) + secrets.token_urlsafe(24)
     state.archives[token] = (folder, now + ARCHIVE_TTL_S)
     url = str(request.base_url).rstrip("/") + f"/rlcli/archives/{token}.tar"
     return {"url": url, "expires": iso(now + ARCHIVE_TTL_S)}
@@ -205,7 +226,13 @@ async def download_archive(token: str, state: State):
     version = checkpoints.resolve(folder)  # the version current now, read whole
     if version is None:
         raise HTTPException(404, "the checkpoint was deleted")
-    tar_path = await asyncio.to_thread(_build_tar, version)
+    extra = {}
+    if token.startswith(WITH_OPTIMIZER):
+        extra = {
+            "optimizer.pt": version / "optimizer.pt",
+            "run.json": folder.parent.parent / "run.json",
+        }
+    tar_path = await asyncio.to_thread(_build_tar, version, extra)
     return FileResponse(
         tar_path,
         media_type="application/x-tar",
@@ -214,10 +241,162 @@ async def download_archive(token: str, state: State):
     )
 
 
-def _build_tar(version: Path) -> str:
+def _build_tar(version: Path, extra: dict[str, Path] | None = None) -> str:
     fd, tar_path = tempfile.mkstemp(suffix=".tar")
     with open(fd, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
         for name in ARCHIVE_FILES:
             tar.add(version / name, arcname=name)
+        for name, path in (extra or {}).items():
+            tar.add(path, arcname=name)
         tar.addfile(tarfile.TarInfo("checkpoint_complete"))  # `tinker ... push-hf` wants it
     return tar_path
+
+
+# ---- rlcli restore: a training state exported elsewhere, put back under its tinker:// path ----
+
+RESTORE_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "run.json")
+RESTORE_IGNORED = ("checkpoint.json", "checkpoint_complete")  # the old server's, remade here
+
+
+@router.put("/rlcli/restore/{run_id}/{kind}/{name}")
+async def restore_checkpoint(
+    run_id: str,
+    kind: str,
+    name: str,
+    request: Request,
+    state: State,
+    overwrite: bool = False,
+    force: bool = False,
+):
+    """Install a tar made by ``rlcli export --with-optimizer`` (adapter, optimizer.pt and the
+    run's run.json) as ``tinker://<run_id>/weights/<name>`` on this server, so a run moved from
+    another server continues here (``create_training_client_from_state_with_optimizer``, or a
+    resumed ``rlcli train``). Names, sizes and headers are checked first; the checkpoint is
+    written as a new version (invariant 3), so a failure leaves nothing half-written.
+    ``force`` accepts a state whose base model has another name than this server's."""
+    if kind != "weights":
+        raise HTTPException(400, f"kind: {kind!r}: only a training state (weights/<name>)")
+    ref = CheckpointRef(
+        checkpoints.check_name(run_id, "run_id"), kind, checkpoints.check_name(name)
+    )
+    folder = ref.folder(state.checkpoints_root)
+    if checkpoints.resolve(folder) is not None and not overwrite:
+        raise HTTPException(
+            409, f"path: {ref.tinker_path} exists here (overwrite=true replaces it)"
+        )
+    with tempfile.TemporaryDirectory(prefix="rlcli-restore-") as tmp:
+        upload = Path(tmp) / "upload.tar"
+        with open(upload, "wb") as out:
+            async for chunk in request.stream():
+                out.write(chunk)
+        files = await asyncio.to_thread(_unpack_state, upload, Path(tmp) / "files")
+        run = json.loads(files["run.json"].read_text())
+        base_model = state.settings.base_model
+        if run.get("base_model") != base_model and not force:
+            raise HTTPException(
+                400,
+                f"base_model: the state was trained on {run.get('base_model')!r}; this server "
+                f"hosts {base_model!r} (force=true if they are the same model)",
+            )
+        adapter = json.loads(files["adapter_config.json"].read_text())
+        here = checkpoints.read_run(state.checkpoints_root, run_id)
+        if here is not None and here.get("lora", {}).get("rank") != adapter["r"]:
+            raise HTTPException(
+                409, f"run_id: run {run_id} exists here with another LoRA rank than the state's"
+            )
+        adapter["base_model_name_or_path"] = base_model
+        files["adapter_config.json"].write_text(json.dumps(adapter, indent=2) + "\n")
+        meta = {
+            "checkpoint_id": ref.checkpoint_id,
+            "checkpoint_type": "training",
+            "tinker_path": ref.tinker_path,
+            "training_run_id": run_id,
+            "base_model": base_model,
+            "expires_at": None,
+            "public": False,
+            "restored": time.time(),
+        }
+        if here is None:  # the run first: weights_info reads its LoRA settings from run.json
+            record = {
+                "training_run_id": run_id,
+                "base_model": base_model,
+                "lora": run["lora"],
+                "session_id": None,
+                "user_metadata": run.get("user_metadata") or {},
+                "created": time.time(),
+                "restored_from": run.get("base_model"),
+            }
+            checkpoints.write_run(state.checkpoints_root, run_id, record)
+        sources = {n: files[n] for n in RESTORE_FILES if n != "run.json"}
+        version = await asyncio.to_thread(checkpoints.write_files, folder, sources, meta)
+    return {"tinker_path": ref.tinker_path, "size_bytes": checkpoints.folder_size(version)}
+
+
+def _unpack_state(tar_path: Path, out: Path) -> dict[str, Path]:
+    """The tar's files, checked: regular files with the expected names, each once, whole
+    (sizes as declared), JSON that parses, a safetensors header that fits the file; else 400."""
+    out.mkdir()
+    files: dict[str, Path] = {}
+    try:
+        with tarfile.open(tar_path, mode="r:") as tar:
+            for member in tar:
+                if member.name in RESTORE_IGNORED:
+                    continue
+                if member.name not in RESTORE_FILES or not member.isfile():
+                    raise HTTPException(
+                        400, f"body: unexpected archive member {member.name!r} (a state has "
+                        f"{', '.join(RESTORE_FILES)})"
+                    )  # fmt: skip
+                if member.name in files:
+                    raise HTTPException(400, f"body: {member.name!r} appears twice")
+                source = tar.extractfile(member)
+                target = out / member.name
+                with source, open(target, "wb") as f:
+                    while chunk := source.read(1 << 20):
+                        f.write(chunk)
+                if target.stat().st_size != member.size:
+                    raise HTTPException(400, f"body: {member.name!r} is cut short")
+                files[member.name] = target
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise HTTPException(400, f"body: not a whole tar archive ({e})") from None
+    missing = [n for n in RESTORE_FILES if n not in files]
+    if missing:
+        raise HTTPException(400, f"body: the archive lacks {', '.join(missing)}")
+    try:
+        adapter = json.loads(files["adapter_config.json"].read_text())
+        run = json.loads(files["run.json"].read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HTTPException(400, f"body: a JSON file does not parse ({e})") from None
+    if not isinstance(adapter, dict) or not isinstance(adapter.get("r"), int):
+        raise HTTPException(400, "body: adapter_config.json has no LoRA rank 'r'")
+    lora = run.get("lora") if isinstance(run, dict) else None
+    if not isinstance(lora, dict) or lora.get("rank") != adapter["r"]:
+        raise HTTPException(400, "body: run.json's LoRA rank differs from adapter_config.json's")
+    _check_safetensors(files["adapter_model.safetensors"])
+    if files["optimizer.pt"].stat().st_size == 0:
+        raise HTTPException(400, "body: optimizer.pt is empty")
+    return files
+
+
+def _check_safetensors(path: Path) -> None:
+    """The header parses and every tensor's bytes lie inside the file (no torch here)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or 8 + length > size:
+            raise HTTPException(400, "body: adapter_model.safetensors has no valid header")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            header = None
+    if not isinstance(header, dict):
+        raise HTTPException(400, "body: adapter_model.safetensors' header does not parse")
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        end = (entry.get("data_offsets") or [0, size])[1] if isinstance(entry, dict) else size
+        if not isinstance(end, int) or 8 + length + end > size:
+            raise HTTPException(
+                400, f"body: adapter_model.safetensors: tensor {key!r} is cut short"
+            )

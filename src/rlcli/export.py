@@ -1,0 +1,335 @@
+"""Export a checkpoint from a Tinker server to a folder others load, and put a training state
+back on a server (``rlcli export`` / ``rlcli restore``).
+
+``export`` downloads the checkpoint's archive through the route ``tinker checkpoint download``
+uses (``GET .../checkpoints/KIND/NAME/archive`` -> a ``.tar`` link; a 302 or a JSON answer) and
+unpacks it: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``,
+what ``peft.PeftModel.from_pretrained`` loads). ``merge`` applies the adapter to the base model
+(``merge_and_unload``) and saves a transformers model folder (and so one vLLM serves).
+``with_optimizer`` asks our server for ``optimizer.pt`` and the run's ``run.json`` too (query
+``include_optimizer=true``, rlcli's opt-in; the tinker CLI's archive is unchanged), which is what
+``restore`` needs to continue the run on another server.
+
+Nothing is half-written: everything is built in a hidden folder beside ``-o DIR`` and renamed
+into place at the end; on any failure the hidden folders go and DIR is as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rlcli import endpoint
+from rlcli.errors import RlcliError
+from rlcli.talk import split_tinker_path
+
+MANIFEST = "rlcli_export.json"  # where it came from: restore reads the tinker:// path here
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "checkpoint.json")
+STATE_FILES = ("optimizer.pt", "run.json")
+STATE_UPLOAD = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "run.json")
+
+Say = Callable[[str], None]
+
+
+# ---- which checkpoint ----------------------------------------------------------------------
+
+
+def from_run(run: str, with_optimizer: bool) -> str:
+    """The last checkpoint a run folder recorded (``checkpoints.jsonl``): its sampler path, or
+    its state path with ``with_optimizer``. ``run`` is a folder or a run name under
+    ``$RLCLI_HOME/runs``."""
+    from rlcli.home import rlcli_home
+
+    folder = Path(run).expanduser()
+    if not folder.is_dir():
+        folder = rlcli_home() / "runs" / run
+    if not folder.is_dir():
+        raise RlcliError(f"{run}: no such run folder (nor under {rlcli_home() / 'runs'})")
+    rows = []
+    ledger = folder / "checkpoints.jsonl"
+    if ledger.is_file():
+        for line in ledger.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a crash; the rows before it stand
+    key = "state_path" if with_optimizer else "sampler_path"
+    paths = [r[key] for r in rows if isinstance(r, dict) and r.get(key)]
+    if not paths:
+        what = "training state" if with_optimizer else "sampler checkpoint"
+        raise RlcliError(f"{folder}: the run recorded no {what} in checkpoints.jsonl")
+    return paths[-1]
+
+
+def check_source(path: str, with_optimizer: bool) -> tuple[str, str, str]:
+    run_id, kind, name = split_tinker_path(path)
+    if with_optimizer and kind != "weights":
+        raise RlcliError(
+            f"--with-optimizer: {path} is sampler weights (no optimizer state); pass the "
+            f"training state, e.g. tinker://{run_id}/weights/{name}"
+        )
+    return run_id, kind, name
+
+
+# ---- download ------------------------------------------------------------------------------
+
+
+def archive_url(url: str, path: str, with_optimizer: bool) -> str:
+    run_id, kind, name = check_source(path, with_optimizer)
+    route = f"/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/archive"
+    params = {"include_optimizer": "true"} if with_optimizer else None
+    try:
+        response = httpx.get(
+            f"{url}{route}", params=params, headers=endpoint.headers(), timeout=300
+        )
+    except httpx.HTTPError as e:
+        raise RlcliError(f"no answer from {url}{route} ({type(e).__name__})") from None
+    if response.status_code in (301, 302, 303, 307) and response.headers.get("location"):
+        return response.headers["location"]
+    if response.status_code == 404:
+        raise RlcliError(f"{path}: the server at {url} has no such checkpoint")
+    if response.status_code >= 400:
+        raise RlcliError(f"{path}: {url} answered HTTP {response.status_code}: "
+                         f"{endpoint._detail(response)}")  # fmt: skip
+    try:
+        link = response.json()["url"]
+    except (ValueError, KeyError, TypeError):
+        raise RlcliError(f"{url}{route} answered no archive link") from None
+    if with_optimizer and "/rlcli/archives/" not in link:
+        raise RlcliError(
+            f"--with-optimizer: the server at {url} is not rlcli's; its archives leave the "
+            "optimizer state out"
+        )
+    return link
+
+
+def download(link: str, dest: Path, say: Say) -> int:
+    """Fetch the archive to ``dest``; its size in bytes."""
+    size = 0
+    started = time.monotonic()
+    try:
+        with httpx.stream("GET", link, timeout=300, follow_redirects=True) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise RlcliError(
+                    f"the archive download answered HTTP {response.status_code}: "
+                    f"{endpoint._detail(response)}"
+                )
+            with open(dest, "wb") as out:
+                for chunk in response.iter_bytes(1 << 20):
+                    out.write(chunk)
+                    size += len(chunk)
+    except httpx.HTTPError as e:
+        raise RlcliError(f"the archive download failed ({type(e).__name__})") from None
+    say(f"downloaded {human(size)} in {time.monotonic() - started:.1f}s")
+    return size
+
+
+def unpack(tar_path: Path, folder: Path, wanted: tuple[str, ...]) -> None:
+    """The archive's ``wanted`` files into ``folder``: plain files with plain names only."""
+    try:
+        with tarfile.open(tar_path, mode="r:") as tar:
+            for member in tar:
+                if member.name not in wanted or not member.isfile():
+                    continue
+                source = tar.extractfile(member)
+                with source, open(folder / member.name, "wb") as out:
+                    shutil.copyfileobj(source, out, 1 << 20)
+    except (tarfile.TarError, EOFError) as e:
+        raise RlcliError(f"the downloaded archive is not a whole tar file ({e})") from None
+    missing = [n for n in wanted if n != "checkpoint.json" and not (folder / n).is_file()]
+    if missing:
+        raise RlcliError(f"the server's archive lacks {', '.join(missing)}")
+
+
+# ---- merge ---------------------------------------------------------------------------------
+
+
+def merge(adapter: Path, base_model: str, out: Path, say: Say) -> None:
+    """Base model + adapter, merged, saved with the tokenizer as a transformers folder.
+
+    Merged in float32 (exact sums), then cast back to the base model's saved dtype."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    say(f"loading the base model {base_model} ...")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(base_model)
+    except (OSError, ValueError) as e:
+        raise RlcliError(
+            f"cannot load the base model {base_model} here ({type(e).__name__}); pass "
+            "--base-model with a local copy or its hub id"
+        ) from None
+    saved_dtype = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
+    say("merging the adapter ...")
+    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    if isinstance(saved_dtype, torch.dtype) and saved_dtype != torch.float32:
+        merged = merged.to(saved_dtype)
+    merged.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+# ---- the whole export ----------------------------------------------------------------------
+
+
+def export(
+    url: str,
+    path: str,
+    out: Path,
+    *,
+    merge_model: bool = False,
+    with_optimizer: bool = False,
+    base_model: str | None = None,
+    force: bool = False,
+    say: Say = lambda _: None,
+) -> dict[str, Any]:
+    """Write the checkpoint at ``path`` to ``out`` (see the module docstring); a summary."""
+    check_source(path, with_optimizer)
+    if merge_model and with_optimizer:
+        raise RlcliError("--merge and --with-optimizer: a merged model has no optimizer state")
+    out = check_output(out, force)
+    link = archive_url(url, path, with_optimizer)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.download-", dir=out.parent))
+    staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        tar_path = work / "checkpoint.tar"
+        say(f"downloading {path} ...")
+        download(link, tar_path, say)
+        wanted = ADAPTER_FILES + (STATE_FILES if with_optimizer else ())
+        adapter_dir = work / "adapter" if merge_model else staged
+        adapter_dir.mkdir(exist_ok=True)
+        unpack(tar_path, adapter_dir, wanted)
+        config = json.loads((adapter_dir / "adapter_config.json").read_text())
+        trained_on = config.get("base_model_name_or_path")
+        if merge_model:
+            merge(adapter_dir, base_model or trained_on, staged, say)
+        manifest = {
+            "source": path,
+            "server": url,
+            "base_model": trained_on,
+            "lora_rank": config.get("r"),
+            "merged": merge_model,
+            "with_optimizer": with_optimizer,
+            "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        (staged / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        files = [
+            {"file": p.name, "bytes": p.stat().st_size}
+            for p in sorted(staged.iterdir())
+            if p.is_file()
+        ]
+        put_in_place(staged, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(staged, ignore_errors=True)  # gone already when it was renamed
+    return {"output": str(out), **manifest, "files": files}
+
+
+def check_output(out: Path, force: bool) -> Path:
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise RlcliError(f"-o {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise RlcliError(f"-o {out}: not empty (pass --force to replace it)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RlcliError(f"-o {out}: cannot create its parent folder ({e.strerror})") from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise RlcliError(f"-o {out}: {out.parent} is not writable")
+    return out
+
+
+def put_in_place(staged: Path, out: Path) -> None:
+    """Rename the finished folder to ``out``; an old ``out`` is moved aside first and removed
+    only once the new one is in place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    staged.chmod(0o777 & ~umask)  # mkdtemp made it private; DIR gets the usual mode
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{time.time_ns()}"
+        out.rename(old)
+    try:
+        staged.rename(out)
+    except OSError:
+        if old is not None:
+            old.rename(out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- restore -------------------------------------------------------------------------------
+
+
+def restore(
+    url: str, folder: Path, *, overwrite: bool = False, force: bool = False, say: Say
+) -> dict[str, Any]:
+    """Put a training state exported with ``--with-optimizer`` on the server at ``url`` under
+    its original ``tinker://`` path (so a run's ``checkpoints.jsonl`` still names it)."""
+    folder = Path(folder).expanduser()
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        raise RlcliError(
+            f"{folder}: no {MANIFEST} here (not a folder rlcli export wrote)"
+        ) from None
+    if not manifest.get("with_optimizer"):
+        raise RlcliError(
+            f"{folder}: exported without --with-optimizer; export the training state with "
+            "--with-optimizer to continue training elsewhere"
+        )
+    missing = [n for n in STATE_UPLOAD if not (folder / n).is_file()]
+    if missing:
+        raise RlcliError(f"{folder}: missing {', '.join(missing)}")
+    path = manifest["source"]
+    run_id, kind, name = split_tinker_path(path, "source")
+    fd, tar_path = tempfile.mkstemp(suffix=".tar")
+    try:
+        with open(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
+            for n in STATE_UPLOAD:
+                tar.add(folder / n, arcname=n)
+        size = Path(tar_path).stat().st_size
+        say(f"uploading {human(size)} to {url} as {path} ...")
+        params = {"overwrite": str(overwrite).lower(), "force": str(force).lower()}
+        route = f"/api/v1/rlcli/restore/{run_id}/{kind}/{name}"
+        try:
+            with open(tar_path, "rb") as body:
+                response = httpx.put(
+                    f"{url}{route}",
+                    content=body,
+                    params=params,
+                    headers={**endpoint.headers(), "Content-Type": "application/x-tar"},
+                    timeout=600,
+                )
+        except httpx.HTTPError as e:
+            raise RlcliError(f"no answer from {url}{route} ({type(e).__name__})") from None
+    finally:
+        Path(tar_path).unlink(missing_ok=True)
+    if response.status_code in (404, 405):
+        raise RlcliError(f"the server at {url} takes no restores (only rlcli's own server does)")
+    if response.status_code >= 400:
+        raise RlcliError(f"{url} refused the state (HTTP {response.status_code}): "
+                         f"{endpoint._detail(response)}")  # fmt: skip
+    return {"tinker_path": path, "server": url, "base_model": manifest.get("base_model"),
+            "bytes": response.json().get("size_bytes")}  # fmt: skip
+
+
+def human(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GB"

@@ -1,0 +1,180 @@
+"""`rlcli export` and `rlcli restore` against real servers: the exported adapter (with peft) and
+the merged model (plain transformers) reproduce the server's logprobs; --with-optimizer keeps
+optimizer.pt (the tinker CLI's archive still leaves it out); a state restored on a second server
+continues training exactly as on the first; refusals leave nothing half-written."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from conftest import run_rlcli, start_server
+from rlcli.backends import process
+from test_sample_chat import train_zebra
+
+PROBE = "Hello there. zebra zebra zebra, and then some other words."
+
+
+@pytest.fixture(scope="module")
+def zebra(server, tiny_model):
+    return train_zebra(server.base_url, str(tiny_model), name="export-me")
+
+
+def _server_logprobs(base_url: str, path: str, ids: list[int]) -> np.ndarray:
+    service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
+    client = service.create_sampling_client(model_path=path)
+    logprobs = client.compute_logprobs(types.ModelInput.from_ints(ids)).result()
+    return np.array(logprobs[1:], dtype=np.float64)  # the first token has none
+
+
+def _local_logprobs(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    logp = logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(ids[1:]).unsqueeze(-1))
+    return logp.squeeze(-1).double().numpy()
+
+
+def test_exported_adapter_and_merged_model_reproduce_the_servers_logprobs(
+    server, tiny_model, zebra, tmp_path
+):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(tiny_model)).encode(PROBE)
+    expected = _server_logprobs(server.base_url, zebra["sampler"], ids)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model)).eval()
+    assert np.abs(_local_logprobs(base, ids) - expected).max() > 0.5  # the adapter matters
+
+    adapter = tmp_path / "adapter"
+    out = run_rlcli(
+        "export", "-c", zebra["sampler"], "-o", str(adapter), "--json",
+        "--base-url", server.base_url,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["base_model"] == str(tiny_model) and result["lora_rank"] == 16
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+        f["file"] for f in result["files"]
+    }
+    assert not (adapter / "optimizer.pt").exists()
+    peft_model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    np.testing.assert_allclose(_local_logprobs(peft_model, ids), expected, atol=1e-4)
+
+    # A run folder names its checkpoint: the last sampler_path of checkpoints.jsonl.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rows = [
+        {"name": "000001", "sampler_path": "tinker://gone/sampler_weights/x"},
+        {"name": "final", "sampler_path": zebra["sampler"], "state_path": zebra["state"]},
+    ]
+    (run_dir / "checkpoints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    merged = tmp_path / "merged"
+    out = run_rlcli(
+        "export", str(run_dir), "-o", str(merged), "--merge", "--base-url", server.base_url
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads((merged / "rlcli_export.json").read_text())["source"] == zebra["sampler"]
+    plain = AutoModelForCausalLM.from_pretrained(str(merged)).eval()  # no peft involved
+    assert not any("lora" in name for name, _ in plain.named_parameters())
+    np.testing.assert_allclose(_local_logprobs(plain, ids), expected, atol=1e-4)
+    assert AutoTokenizer.from_pretrained(str(merged)).encode(PROBE) == ids
+
+
+def test_with_optimizer_keeps_the_optimizer_and_refusals_write_nothing(server, zebra, tmp_path):
+    url = ["--base-url", server.base_url]
+    state_dir = tmp_path / "state"
+    out = run_rlcli("export", "-c", zebra["state"], "-o", str(state_dir), "--with-optimizer", *url)
+    assert out.returncode == 0, out.stderr
+    assert (state_dir / "optimizer.pt").stat().st_size > 0
+    assert json.loads((state_dir / "run.json").read_text())["lora"]["rank"] == 16
+
+    # What the unmodified tinker CLI downloads is unchanged: no optimizer state.
+    run_id, _, name = zebra["state"].removeprefix("tinker://").split("/")
+    route = f"{server.base_url}/api/v1/training_runs/{run_id}/checkpoints/weights/{name}/archive"
+    link = httpx.get(route, headers={"X-API-Key": "tml-dummy"}).json()["url"]
+    with tarfile.open(fileobj=io.BytesIO(httpx.get(link).content)) as tar:
+        assert "optimizer.pt" not in tar.getnames() and "run.json" not in tar.getnames()
+
+    refused = run_rlcli(
+        "export", "-c", zebra["sampler"], "-o", str(tmp_path / "x"), "--with-optimizer", *url
+    )
+    assert refused.returncode == 1 and "sampler weights (no optimizer state)" in refused.stderr
+    assert zebra["state"] in refused.stderr  # names the path that works
+
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "mine.txt").write_text("precious")
+    busy = run_rlcli("export", "-c", zebra["sampler"], "-o", str(keep), *url)
+    assert busy.returncode == 1 and "not empty" in busy.stderr
+    assert [p.name for p in keep.iterdir()] == ["mine.txt"]
+
+    # A failure after the download (the base model cannot load) leaves no trace beside -o.
+    before = sorted(p.name for p in tmp_path.iterdir())
+    broken = run_rlcli(
+        "export", "-c", zebra["sampler"], "-o", str(tmp_path / "merged"), "--merge",
+        "--base-model", str(tmp_path / "no-such-model"), *url,
+    )  # fmt: skip
+    assert broken.returncode == 1 and "cannot load the base model" in broken.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    missing = run_rlcli("export", "-c", zebra["sampler"] + "-nope", "-o", str(tmp_path / "y"), *url)
+    assert missing.returncode == 1 and "no such checkpoint" in missing.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def _step_loss(base_url: str, path: str, datum: types.Datum) -> tuple[float, float]:
+    """Resume the state with its optimizer, take one step, return (loss before, loss after)."""
+    service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
+    trainer = service.create_training_client_from_state_with_optimizer(path)
+    before = trainer.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
+    trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = trainer.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+    return before, after
+
+
+def test_a_state_restored_on_another_server_continues_exactly(
+    server, tiny_model, zebra, tmp_path, tmp_path_factory
+):
+    from transformers import AutoTokenizer
+
+    exported = tmp_path / "moving"
+    out = run_rlcli(
+        "export", "-c", zebra["state"], "-o", str(exported), "--with-optimizer",
+        "--base-url", server.base_url,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    ids = AutoTokenizer.from_pretrained(str(tiny_model)).encode(PROBE)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+    )
+    on_first = _step_loss(server.base_url, zebra["state"], datum)
+
+    home = tmp_path_factory.mktemp("second-server")
+    second = start_server(home, tiny_model)
+    try:
+        url = ["--base-url", second.base_url]
+        restored = run_rlcli("restore", str(exported), "--json", *url)
+        assert restored.returncode == 0, restored.stderr
+        assert json.loads(restored.stdout)["tinker_path"] == zebra["state"]
+        on_second = _step_loss(second.base_url, zebra["state"], datum)
+        assert on_second[0] == pytest.approx(on_first[0], rel=1e-5)
+        assert on_second[1] == pytest.approx(on_first[1], rel=1e-5)  # the Adam moments came too
+
+        again = run_rlcli("restore", str(exported), *url)
+        assert again.returncode == 1 and "exists here" in again.stderr
+        adapter_only = tmp_path / "adapter-only"
+        run_rlcli(
+            "export", "-c", zebra["sampler"], "-o", str(adapter_only), "--base-url", server.base_url
+        )
+        refused = run_rlcli("restore", str(adapter_only), *url)
+        assert refused.returncode == 1 and "--with-optimizer" in refused.stderr
+    finally:
+        process.stop(home)
