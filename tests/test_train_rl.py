@@ -1,6 +1,7 @@
 """`rlcli train rl` on a real server with the tiny model: every loss runs through the
-cookbook's RL recipe on GSM8K from the shared folder; the loss guard fails fast; and the
-server's fused losses make a policy learn inside the cookbook's own RL loop."""
+cookbook's RL recipe on GSM8K from the shared folder, and arithmetic and a user's JSONL train
+too; the loss guard and bad datasets fail fast; and the server's fused losses make a policy
+learn inside the cookbook's own RL loop."""
 
 from __future__ import annotations
 
@@ -242,6 +243,57 @@ def test_checkpoint_and_max_tokens_are_checked_before_the_run_folder(tmp_path, s
     result = run(*small(server, tiny_model, run_dir, "--max-tokens", "100000"))
     assert result.returncode == 1 and "--max-tokens 100000: the server at" in result.stderr
     assert not run_dir.exists()
+
+
+# ---- other environments of the registry (rlcli.envs) ----------------------------------------
+
+
+def tiny_rl(server, tiny_model, log_path, dataset, *extra) -> tuple[str, ...]:
+    return (
+        "train", "rl", "--model", str(tiny_model), "--base-url", server.base_url,
+        "--dataset", dataset, "--batch-size", "2", "--group-size", "2", "--max-tokens", "6",
+        "--log-path", str(log_path), "--json", *extra,
+    )  # fmt: skip
+
+
+def test_arithmetic_and_a_users_jsonl_train_end_to_end(tmp_path, server, tiny_model):
+    result = run(*tiny_rl(server, tiny_model, tmp_path / "arith", "arithmetic", "--max-steps", "2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["state_path"].startswith("tinker://") and summary["first_reward"] is not None
+    rollouts = tmp_path / "arith" / "iteration_000000" / "train_rollout_summaries.jsonl"
+    assert "arithmetic" in json.loads(rollouts.read_text().splitlines()[0])["tags"]
+    data = tmp_path / "qa.jsonl"
+    data.write_text(
+        "".join(json.dumps({"question": f"{i} + 1?", "answer": i + 1}) + "\n" for i in range(4))
+    )
+    result = run(*tiny_rl(server, tiny_model, tmp_path / "own", str(data), "--max-steps", "1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = (tmp_path / "own" / "config.yaml").read_text()
+    assert f"dataset: {data.resolve()}" in saved  # the run's --config trains on the same file
+    assert [json.loads(line)["step"] for line in (tmp_path / "own" / "metrics.jsonl").open()] == [0]
+
+
+def test_bad_datasets_are_one_line_before_any_server_work(tmp_path, tiny_model):
+    base = ("train", "rl", "--model", str(tiny_model), "--base-url", DEAD_URL)
+    result = run(*base, "--dataset", "gsm9k", "--log-path", str(tmp_path / "run"))
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert "--dataset gsm9k: unknown environment; use gsm8k, arithmetic, niah" in result.stderr
+    result = run(*base, "--dataset", str(tmp_path / "none.jsonl"))
+    assert result.returncode == 1 and "none.jsonl: no such file" in result.stderr
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"question": "1 + 1?", "answer": 2}\n{"question": "2 + 2?"}\n')
+    result = run(*base, "--dataset", str(data), "--log-path", str(tmp_path / "run"))
+    assert result.returncode == 1 and "no Tinker server" not in result.stderr  # never got there
+    assert "1 of 2 lines are not usable" in result.stderr and "line 2: " in result.stderr
+    data.write_text('{"question": "1 + 1?", "answer": 2}\n')
+    result = run(*base, "--dataset", str(data), "--eval-every", "1", "--dry-run")
+    assert result.returncode == 1 and "is one split, no test problems" in result.stderr
+    result = run(*base, "--dataset", "niah:words=50", "--batch-size", "4", "--dry-run", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["steps"] == 100 and plan["train_problems"] == 400  # one pass: 100 batches
+    assert not (tmp_path / "run").exists()
 
 
 # ---- learning -------------------------------------------------------------------------------
