@@ -178,3 +178,47 @@ def test_a_state_restored_on_another_server_continues_exactly(
         assert refused.returncode == 1 and "--with-optimizer" in refused.stderr
     finally:
         process.stop(home)
+
+
+def _tar(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def test_restore_route_checks_the_upload_and_writes_nothing_on_refusal(server, zebra, tmp_path):
+    exported = tmp_path / "state"
+    out = run_rlcli(
+        "export", "-c", zebra["state"], "-o", str(exported), "--with-optimizer",
+        "--base-url", server.base_url,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    names = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "run.json")
+    good = {n: (exported / n).read_bytes() for n in names}
+    route = f"{server.base_url}/api/v1/rlcli/restore/moved-run/weights/w"
+    key = {"X-API-Key": "tml-dummy"}
+    whole = _tar(good)
+    cases = {
+        "unexpected archive member '../evil'": _tar({**good, "../evil": b"x"}),
+        "lacks optimizer.pt": _tar({k: v for k, v in good.items() if k != "optimizer.pt"}),
+        "not a whole tar archive": whole[: len(whole) // 2],
+        "tensor": _tar(
+            {**good, "adapter_model.safetensors": good["adapter_model.safetensors"][:-64]}
+        ),
+        "LoRA rank differs": _tar({**good, "run.json": json.dumps({"lora": {"rank": 3}}).encode()}),
+    }
+    for reason, body in cases.items():
+        response = httpx.put(route, content=body, headers=key)
+        assert response.status_code == 400 and reason in response.json()["detail"], reason
+    sampler = httpx.put(route.replace("/weights/", "/sampler_weights/"), content=whole, headers=key)
+    assert sampler.status_code == 400
+    listed = httpx.get(f"{server.base_url}/api/v1/training_runs/moved-run", headers=key)
+    assert listed.status_code == 404  # nothing was written, not even the run
+    assert httpx.put(route, content=whole, headers=key).status_code == 200
+    assert httpx.put(route, content=whole, headers=key).status_code == 409  # no silent overwrite
+    again = httpx.put(route, content=whole, headers=key, params={"overwrite": "true"})
+    assert again.status_code == 200
