@@ -144,3 +144,27 @@ def test_chat_in_a_terminal_answers_from_the_checkpoint(server, zebra):
     finally:
         child.close()
     assert child.exitstatus == 0, child.before
+
+
+def test_ctrl_c_in_chat_cancels_the_answer_and_keeps_the_session(server, tiny_model):
+    import pexpect
+
+    child = pexpect.spawn(
+        RLCLI[0],
+        [*RLCLI[1:], "chat", "--model", str(tiny_model), "--max-tokens", "1500", "--seed", "0",
+         "--base-url", server.base_url],
+        encoding="utf-8",
+        timeout=120,
+    )  # fmt: skip
+    try:
+        child.expect("you> ")
+        child.sendline("Hello there")
+        child.expect(r"[|/\\-] ")  # the spinner: an answer is being waited for
+        child.sendintr()
+        child.expect(r"\(cancelled\)")
+        child.expect("you> ")  # still in the conversation
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0

@@ -19,7 +19,7 @@ BASE_URL = typer.Option(
 def export(
     run: str = typer.Argument(
         None,
-        metavar="[RUN]",
+        metavar="RUN",
         help="A run folder (or its name under $RLCLI_HOME/runs): its last checkpoint.",
     ),
     checkpoint: str = typer.Option(
@@ -49,8 +49,9 @@ def export(
 ) -> None:
     """Export a checkpoint: a LoRA adapter folder in PEFT format, or with --merge a full model.
 
-    The folder is built beside -o DIR and renamed into place at the end, so a failure leaves
-    DIR as it was. rlcli_export.json in it records where it came from.
+    Built beside -o DIR and renamed into place at the end: a failure leaves DIR as it was.
+
+    DIR/rlcli_export.json records the source; `rlcli restore DIR` moves a --with-optimizer one.
     """
     from rlcli import endpoint
     from rlcli import export as exporting
@@ -96,8 +97,7 @@ def restore(
 ) -> None:
     """Put an exported training state on a server (rlcli's) under its original tinker:// path.
 
-    The run then continues there: `rlcli train sl --log-path RUN --base-url URL` resumes from
-    it, or the SDK's create_training_client_from_state_with_optimizer(path).
+    The run continues there: `rlcli train sl --log-path RUN --base-url URL` resumes it.
     """
     from rlcli import endpoint
     from rlcli import export as exporting

@@ -119,9 +119,9 @@ def sample(
 ) -> None:
     """Sample completions for one prompt from a base model or a sampler checkpoint.
 
-    The prompt is rendered with the model's chat template (the renderer `rlcli train` uses)
-    unless --raw. Completions go to stdout; with several, each under a `--- sample i/N ---`
-    line.
+    The prompt gets the model's chat template (the renderer `rlcli train` uses) unless --raw.
+
+    Completions go to stdout (several: each under a `--- sample i/N ---` line), the rest to stderr.
     """
     from rlcli import talk
 
@@ -176,11 +176,13 @@ def chat(
 ) -> None:
     """An interactive conversation in the terminal with a base model or a sampler checkpoint.
 
-    The whole conversation is re-rendered with the model's chat template each turn. Commands:
-    /reset (forget the conversation), /system TEXT (set the system message; /system alone
-    clears it), /exit or Ctrl-D (leave); Ctrl-C cancels the answer being waited for.
-    The Tinker sample API returns whole completions (no token streaming): each answer
-    appears when it is complete.
+    Each turn re-renders the whole conversation with the model's chat template.
+
+    /reset forgets the conversation; /system TEXT sets the system message (alone: clears it).
+
+    /exit or Ctrl-D leaves; Ctrl-C cancels the answer being waited for.
+
+    No token streaming: the Tinker sample API returns whole completions; answers appear whole.
     """
     from rlcli import talk
 
