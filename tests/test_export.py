@@ -90,9 +90,17 @@ def test_exported_adapter_and_merged_model_reproduce_the_servers_logprobs(
 
 def test_with_optimizer_keeps_the_optimizer_and_refusals_write_nothing(server, zebra, tmp_path):
     url = ["--base-url", server.base_url]
+    home = tmp_path / "home"  # a run named by its folder's name under $RLCLI_HOME/runs
+    (home / "runs" / "sl-moving").mkdir(parents=True)
+    row = {"name": "final", "sampler_path": zebra["sampler"], "state_path": zebra["state"]}
+    (home / "runs" / "sl-moving" / "checkpoints.jsonl").write_text(json.dumps(row) + "\n")
     state_dir = tmp_path / "state"
-    out = run_rlcli("export", "-c", zebra["state"], "-o", str(state_dir), "--with-optimizer", *url)
+    out = run_rlcli(
+        "export", "sl-moving", "-o", str(state_dir), "--with-optimizer", "--json", *url,
+        env={"RLCLI_HOME": str(home)},
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["source"] == zebra["state"]  # the state, not the sampler
     assert (state_dir / "optimizer.pt").stat().st_size > 0
     assert json.loads((state_dir / "run.json").read_text())["lora"]["rank"] == 16
 
@@ -126,7 +134,11 @@ def test_with_optimizer_keeps_the_optimizer_and_refusals_write_nothing(server, z
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     missing = run_rlcli("export", "-c", zebra["sampler"] + "-nope", "-o", str(tmp_path / "y"), *url)
     assert missing.returncode == 1 and "no such checkpoint" in missing.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    (tmp_path / "empty-run").mkdir()
+    no_rows = run_rlcli("export", str(tmp_path / "empty-run"), "-o", str(tmp_path / "z"), *url)
+    assert no_rows.returncode == 1 and "recorded no sampler checkpoint" in no_rows.stderr
+    before.append("empty-run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)
 
 
 def _step_loss(base_url: str, path: str, datum: types.Datum) -> tuple[float, float]:
