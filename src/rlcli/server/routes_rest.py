@@ -205,8 +205,9 @@ async def checkpoint_archive(
             raise HTTPException(
                 400, "include_optimizer: only a training state (weights/<name>) has one"
             )
-        if not (version / "optimizer.pt").is_file():
-            raise HTTPException(409, f"include_optimizer: {run_id}/{kind}/{name} has none saved")
+        for needed in (version / "optimizer.pt", folder.parent.parent / "run.json"):
+            if not needed.is_file():
+                raise HTTPException(409, f"include_optimizer: {run_id} has no {needed.name}")
     now = time.time()
     for token in [t for t, (_, exp) in state.archives.items() if exp < now]:
         del state.archives[token]
