@@ -119,3 +119,38 @@ def test_the_distillation_recipe_scores_through_the_seam_train_opsd_replaces():
     loop = inspect.getsource(train_on_policy.do_sync_training)
     assert "dataset.get_batch(i_batch)" in loop
     assert "do_group_rollout_and_filter_constant_reward(" in loop
+
+
+def test_the_cancel_hook_seams_are_where_runs_cancel_expects_them():
+    """``compat.install_cancel_hook``: each loop ends a step with ``log_metrics`` on the
+    MultiplexLogger, SL hands its loop state to ``maybe_save_async`` first, and the manager
+    saves "both" under ``f"{step:06d}"`` and appends the row to checkpoints.jsonl."""
+    import inspect
+
+    from tinker_cookbook import checkpoint_utils
+    from tinker_cookbook.distillation import train_on_policy
+    from tinker_cookbook.rl import train as rl_train
+    from tinker_cookbook.supervised import train as sl_train
+    from tinker_cookbook.utils import ml_log
+
+    assert "MultiplexLogger(loggers)" in inspect.getsource(ml_log.setup_logging)
+    sl = inspect.getsource(sl_train.main)
+    assert "ml_logger.log_metrics(metrics=submitted.metrics, step=submitted.step)" in sl
+    assert sl.index("checkpoint_mgr.maybe_save_async(") < sl.index("ml_logger.log_metrics(")
+    assert '"batch": submitted.batch_idx' in sl and '"epoch": submitted.epoch_idx' in sl
+    for loop in (rl_train.do_sync_training, train_on_policy.do_sync_training):
+        source = inspect.getsource(loop)
+        assert "ml_logger.log_metrics(metrics, step=i_batch)" in source
+        assert "for i_batch in range(start_batch, end_batch)" in source
+    assert "training_func = do_sync_training" in inspect.getsource(rl_train.main)
+    assert "resume_info.batch" in inspect.getsource(rl_train.main)
+    manager = checkpoint_utils.CheckpointManager
+    assert list(inspect.signature(manager.save_periodic_async).parameters) == [
+        "self",
+        "step",
+        "loop_state",
+    ]
+    periodic = inspect.getsource(manager.save_periodic_async)
+    assert 'name=f"{step:06d}"' in periodic and 'kind="both"' in periodic
+    assert inspect.iscoroutinefunction(manager.finalize_async)
+    assert "checkpoints.jsonl" in inspect.getsource(checkpoint_utils.save_checkpoint_async)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -25,7 +26,16 @@ def list_(as_json: bool = JSON) -> None:
     elif not states:
         info(f"no runs yet in {runs.runs_root()} (rlcli train sl|rl|opsd starts one)")
     else:
-        emit([runs.row(s) for s in states], as_json=False)
+        typer.echo(_plain_table([runs.row(s) for s in states]))
+
+
+def _plain_table(rows: list[dict]) -> str:
+    """Aligned columns, nothing cut or wrapped, whatever the terminal's width (pipes, grep)."""
+    keys = list(rows[0])
+    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in keys}
+    lines = ["  ".join(k.upper().ljust(widths[k]) for k in keys).rstrip()]
+    lines += ["  ".join(str(r[k]).ljust(widths[k]) for k in keys).rstrip() for r in rows]
+    return "\n".join(lines)
 
 
 @app.command("show")
@@ -85,6 +95,7 @@ def _follow(run_dir: Path) -> None:
 
 
 def _print_show(shown: dict) -> None:
+    """Plain sections (tinker:// paths are never cut, whatever the terminal's width)."""
     from rlcli import runs
 
     head = runs.row(shown)
@@ -93,10 +104,10 @@ def _print_show(shown: dict) -> None:
         head["error"] = shown["error"]
     for name, path in shown["logs"].items():
         head[f"log ({name})"] = path
-    emit(head, as_json=False, title=f"run {shown['id']}")
+    typer.echo(_plain_pairs(head))
     if shown["last_metrics"]:
         last = {k: v for k, v in shown["last_metrics"].items() if not k.startswith("time/")}
-        emit(last, as_json=False, title="last metrics")
+        typer.echo("\nlast metrics\n" + _plain_pairs(last, indent="  "))
     if shown["checkpoints"]:
         table = [
             {
@@ -108,9 +119,18 @@ def _print_show(shown: dict) -> None:
             }
             for c in shown["checkpoints"]
         ]
-        emit(table, as_json=False, title="checkpoints")
+        typer.echo("\ncheckpoints\n" + _plain_table(table))
     if shown["config"]:
-        emit(shown["config"], as_json=False, title="config")
+        config = {
+            k: json.dumps(v) if isinstance(v, dict) else v for k, v in shown["config"].items()
+        }
+        typer.echo("\nconfig\n" + _plain_pairs(config, indent="  "))
+
+
+def _plain_pairs(pairs: dict, indent: str = "") -> str:
+    width = max(len(str(k)) for k in pairs)
+    lines = [f"{indent}{str(k).ljust(width)}  {'' if v is None else v}" for k, v in pairs.items()]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 @app.command("plot")
@@ -169,4 +189,4 @@ def cancel(
         "sampler_path": checkpoint.get("sampler_path", "(none)"),
         "resume": result["resume"],
     }
-    emit(shown, as_json=False, title="cancelled")
+    typer.echo(_plain_pairs(shown))
