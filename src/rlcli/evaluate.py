@@ -252,8 +252,13 @@ async def _score(opts, target, label, checkpoint, tasks, renderer, report) -> Po
     if report:
         report(label, 0, len(tasks))
     start = time.perf_counter()
-    per_task = list(await asyncio.gather(*(one(t) for t in tasks)))
-    seconds = time.perf_counter() - start
+    try:
+        per_task = list(await asyncio.gather(*(one(t) for t in tasks)))
+        seconds = time.perf_counter() - start
+    finally:  # stop the session's heartbeat thread now (a library caller lives on)
+        close = getattr(getattr(service, "holder", None), "close", None)
+        if close:
+            close()
     rewards = [t.reward for t in per_task]
     passed = sum(t.passed for t in per_task)
     tokens = sum(t.tokens for t in per_task)

@@ -99,8 +99,13 @@ class Progress:
 
 
 def run(opts: EvalOptions) -> None:
+    import logging
+
     from rlcli.evaluate import evaluate
 
+    # The SDK warns "Retrying request ... because of try_again" each time a long batch outlasts
+    # the server's 35 s poll window: normal waiting, which the progress display already shows.
+    logging.getLogger("tinker.lib.api_future_impl").setLevel(logging.ERROR)
     progress = Progress()
     try:
         result = evaluate(opts, report=progress, info=info)
