@@ -25,7 +25,7 @@ PROBE = "Hello there. zebra zebra zebra, and then some other words."
 
 @pytest.fixture(scope="module")
 def zebra(server, tiny_model):
-    return train_zebra(server.base_url, str(tiny_model), name="export-me")
+    return train_zebra(server.base_url, str(tiny_model))
 
 
 def _server_logprobs(base_url: str, path: str, ids: list[int]) -> np.ndarray:

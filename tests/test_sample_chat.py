@@ -6,6 +6,7 @@ are one line each."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -16,9 +17,10 @@ from conftest import RLCLI, run_rlcli
 ANSWER = "zebra zebra zebra"
 
 
+@functools.cache  # test_export.py reuses the one trained on the session server
 def train_zebra(base_url: str, model: str, name: str = "zebra") -> dict[str, str]:
     """A LoRA taught to answer ANSWER to one chat turn (40 steps, ~7 s on the tiny model):
-    its sampler path, its state path and the training client's run id."""
+    its sampler path, its state path and the training client's run id. Read-only for tests."""
     import tinker
     from tinker import types
     from tinker_cookbook import renderers
