@@ -257,6 +257,9 @@ def _build_tar(version: Path, extra: dict[str, Path] | None = None) -> str:
 
 RESTORE_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "run.json")
 RESTORE_IGNORED = ("checkpoint.json", "checkpoint_complete")  # the old server's, remade here
+# A LoRA state (adapter + AdamW moments) of a 70B model at rank 64 is a few GB; a body beyond
+# this is refused as it streams in, before it can fill the disk.
+MAX_RESTORE_BYTES = 16 << 30
 
 
 @router.put("/rlcli/restore/{run_id}/{kind}/{name}")
@@ -287,8 +290,14 @@ async def restore_checkpoint(
         )
     with tempfile.TemporaryDirectory(prefix="rlcli-restore-") as tmp:
         upload = Path(tmp) / "upload.tar"
+        received = 0
         with open(upload, "wb") as out:
             async for chunk in request.stream():
+                received += len(chunk)
+                if received > MAX_RESTORE_BYTES:
+                    raise HTTPException(
+                        413, f"body: larger than {MAX_RESTORE_BYTES >> 30} GiB; not a LoRA state"
+                    )
                 out.write(chunk)
         files = await asyncio.to_thread(_unpack_state, upload, Path(tmp) / "files")
         run = json.loads(files["run.json"].read_text())
