@@ -277,16 +277,18 @@ def cancel(run_dir: Path, wait: float = 120.0, force: bool = False, report=None)
     if report:
         what = "sent SIGTERM" if force else "asked it to stop after its current step"
         report(f"cancelling {now['id']}: {what}; waiting up to {wait:g}s")
+    stands = "" if force else "; the request stands: it stops after its current step"
     deadline = time.monotonic() + wait
-    while lock_held(run_dir) and time.monotonic() < deadline:
-        time.sleep(0.25)
+    try:
+        while lock_held(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.25)
+    except KeyboardInterrupt:
+        raise RlcliError(f"stopped waiting for run {now['id']}{stands}", exit_code=130) from None
     if lock_held(run_dir):
-        if not force:
-            (run_dir / CANCEL).unlink(missing_ok=True)
-        hint = "" if force else ", or stop it now without a checkpoint: --force"
+        hint = "" if force else "; to stop it now without a checkpoint: --force"
         raise RlcliError(
-            f"run {now['id']} has not stopped after {wait:g}s (a run stops at the end of its "
-            f"current step); wait longer (--wait){hint}"
+            f"run {now['id']} has not stopped after {wait:g}s{stands} (rlcli runs show "
+            f"{now['id']} -f follows it){hint}"
         )
     after = state(run_dir)
     checkpoints = read_rows(run_dir / "checkpoints.jsonl", 0)[0]

@@ -235,6 +235,8 @@ class Follower:
             self.progress.update(StepLine(step, self.total, values, tokens_per_s, eta))
         if rows:
             self.rates.end_poll(now)
+        if self.events_seen and count_lines(self.run_dir / STATUS) < self.events_seen:
+            self.events_seen = 0  # a new attempt started the status log again
         events, self.events_seen = read_events(self.run_dir, self.events_seen)
         self.progress.phases(events)
         return len(rows)
