@@ -17,10 +17,11 @@ from pathlib import Path
 import typer
 
 from rlcli.cli._output import emit, info
-from rlcli.recipes import opsd, options, preflight, rl, sl
+from rlcli.recipes import harbor, opsd, options, preflight, rl, sl
 
 app = typer.Typer(
-    help="Train: supervised fine-tuning (sl), RL on an environment (rl), self-distillation (opsd).",
+    help="Train: supervised fine-tuning (sl), RL on an environment (rl), self-distillation (opsd), "
+    "agent RL on Harbor tasks in Docker (harbor).",
     no_args_is_help=True,
 )
 
@@ -208,4 +209,12 @@ options.typer_command(
     opsd.OpsdOptions,
     lambda opts: _train(opsd, opts),
     help="On-policy self-distillation from a prompts file: a teacher's reverse KL, no reward.",
+)
+options.typer_command(
+    app,
+    "harbor",
+    harbor.HarborOptions,
+    lambda opts: harbor.train(_train, opts),
+    help="Agent RL on Harbor tasks (a container, an instruction, a test script whose verdict "
+    "is the reward) in containers on the local Docker daemon, with the cookbook's harbor_rl.",
 )

@@ -122,6 +122,11 @@ def _run(folder: Path) -> int:
 
         status("starting: connecting to the server")
         summary = opsd.run_in_child(spec)
+    elif spec["recipe"] == "harbor":
+        from rlcli.recipes import harbor
+
+        status("starting: connecting to the server")
+        summary = harbor.run_in_child(spec)
     else:
         print(f"rlcli-error: unknown recipe {spec['recipe']!r}", flush=True)
         return 2
