@@ -349,7 +349,7 @@ class DockerSandboxFactory:
     ``stats_path``: where each container's timings go when it is cleaned up (JSON lines)."""
 
     def __init__(self, tasks: list[TaskSpec], run_id: str, stats_path: Path | None = None):
-        self.tasks = {t.environment.resolve(): t for t in tasks}
+        self.tasks = {str(t.environment.resolve()): t for t in tasks}  # str: config.json
         self.run_id = run_id
         self.stats_path = stats_path
         self._images: dict[str, str] = {}
@@ -364,7 +364,7 @@ class DockerSandboxFactory:
         return self._images[task.name]
 
     async def __call__(self, env_dir: Path, timeout: int) -> DockerSandbox:
-        task = self.tasks.get(Path(env_dir).resolve())
+        task = self.tasks.get(str(Path(env_dir).resolve()))
         if task is None:
             raise RuntimeError(f"no task has the environment folder {env_dir}")
         image = await self.image_for(task)
