@@ -225,3 +225,30 @@ def test_detach_follow_cancel_and_resume(server, tiny_model, chats, env, tmp_pat
     assert f"resuming in {run_dir.resolve()}" in resumed.stderr or "resuming" in resumed.stderr
     again = as_json(rlcli(env, "runs", "show", "detached", "--json"))
     assert again["status"] == "finished" and again["steps_done"] == done + 1
+
+
+def test_folders_without_a_record_and_ambiguous_ids(runs, env, home, tmp_path):
+    """A folder from before rlcli_run.json lists from what its files say; two runs with one
+    name are one clear line asking for the path."""
+    import shutil
+
+    legacy = home / "runs" / "legacy"
+    shutil.copytree(runs["finished"], legacy, ignore=shutil.ignore_patterns("rlcli_run.json"))
+    crashed = home / "runs" / "legacy-failed"
+    shutil.copytree(runs["failed"], crashed, ignore=shutil.ignore_patterns("rlcli_run.json"))
+    with (crashed / "console.log").open("a") as f:
+        f.write("rlcli-error: the run failed with RuntimeError: boom\n")
+    listed = {r["id"]: r for r in as_json(rlcli(env, "runs", "list", "--json"))}
+    assert listed["legacy"]["status"] == "finished" and listed["legacy"]["steps_done"] == 3
+    assert listed["legacy"]["total_steps"] == 3 and listed["legacy"]["kind"] == "sl"
+    assert listed["legacy-failed"]["status"] == "failed"
+    assert listed["legacy-failed"]["error"] == "the run failed with RuntimeError: boom"
+
+    twin = tmp_path / runs["killed"].name
+    shutil.copytree(runs["killed"], twin)
+    with (home / "runs" / "index.txt").open("a") as f:
+        f.write(f"{twin}\n")
+    ambiguous = rlcli(env, "runs", "show", runs["killed"].name)
+    assert ambiguous.returncode == 1 and ambiguous.stderr.count("\n") == 1
+    assert "is ambiguous" in ambiguous.stderr and str(twin) in ambiguous.stderr
+    assert as_json(rlcli(env, "runs", "show", str(twin), "--json"))["run_dir"] == str(twin)
