@@ -14,10 +14,14 @@ app = typer.Typer(help="Training runs: list, show, plot, cancel.", no_args_is_he
 JSON = typer.Option(False, "--json", help="Print results as JSON.")
 
 
-@app.command("list")
+@app.command(
+    "list",
+    short_help="Every run, newest first.",
+    help="Every run in $RLCLI_HOME/runs and every --log-path folder used, newest first: kind, "
+    "model, status (starting, running, finished, failed, interrupted, cancelled), steps "
+    "done/total, last loss / reward / KL, start, duration.",
+)
 def list_(as_json: bool = JSON) -> None:
-    """Every run in $RLCLI_HOME/runs and every --log-path folder used, newest first: kind,
-    model, status, steps, last loss / reward / KL, start, duration."""
     from rlcli import runs
 
     states = runs.list_runs()
@@ -38,7 +42,13 @@ def _plain_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-@app.command("show")
+@app.command(
+    "show",
+    short_help="One run in full; -f follows a running one.",
+    help="A run's state, folder and logs, last metrics, checkpoints (tinker:// paths), resolved "
+    "config, and the error if it failed. -f follows a running run (e.g. a detached one) until it "
+    "ends and exits with its outcome (0 finished, 1 failed, 4 cancelled, 130/143/129 interrupted).",
+)
 def show(
     run: str = typer.Argument(..., help="Run id (folder name, or a unique prefix) or folder."),
     follow: bool = typer.Option(
@@ -46,8 +56,6 @@ def show(
     ),
     as_json: bool = JSON,
 ) -> None:
-    """A run's state, resolved config, progress, last metrics, checkpoints, and the error if it
-    failed."""
     from rlcli import runs
 
     run_dir = runs.resolve(run)
@@ -133,7 +141,12 @@ def _plain_pairs(pairs: dict, indent: str = "") -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-@app.command("plot")
+@app.command(
+    "plot",
+    short_help="Loss / reward / accuracy / KL curves as a PNG.",
+    help="Loss (sl), reward and accuracy (rl), teacher KL (opsd) per step as one PNG: a panel "
+    "per metric, several runs overlaid with a legend. --json lists the panels and series drawn.",
+)
 def plot(
     run: list[str] = typer.Argument(..., help="Run ids or folders; several are overlaid."),
     out: Path | None = typer.Option(
@@ -141,7 +154,6 @@ def plot(
     ),
     as_json: bool = JSON,
 ) -> None:
-    """Loss / reward / accuracy / KL curves as a PNG: one panel per metric, the runs overlaid."""
     from rlcli import runs
 
     result = runs.plot([runs.resolve(r) for r in run], out)
@@ -154,7 +166,13 @@ def plot(
     typer.echo(result["path"])
 
 
-@app.command("cancel")
+@app.command(
+    "cancel",
+    short_help="Stop a run cleanly, with a final checkpoint.",
+    help="Stop a running run cleanly: at the end of its current step it saves a checkpoint (state "
+    "and sampler weights), is marked cancelled and its rlcli exits 4. Waits for that and prints "
+    "the checkpoint and the resume command.",
+)
 def cancel(
     run: str = typer.Argument(..., help="Run id (folder name, or a unique prefix) or folder."),
     wait: float = typer.Option(
@@ -168,8 +186,6 @@ def cancel(
     ),
     as_json: bool = JSON,
 ) -> None:
-    """Stop a running run cleanly: at the end of its current step it saves a checkpoint (state
-    and sampler weights) and is marked cancelled; resume it with its config.yaml."""
     from rlcli import runs
     from rlcli.recipes.options import resume_command
 
