@@ -31,6 +31,7 @@ from rlcli.recipes.runner import (
     SPEC,
     SUMMARY,
     read_record,
+    write_record,
 )
 
 LIVE = ("starting", "running")
@@ -290,6 +291,14 @@ def cancel(run_dir: Path, wait: float = 120.0, force: bool = False, report=None)
             f"run {now['id']} has not stopped after {wait:g}s{stands} (rlcli runs show "
             f"{now['id']} -f follows it){hint}"
         )
+    record = read_record(run_dir) or {}
+    if force and record.get("status") == "starting" and record.get("pid") == pid:
+        # Stopped during its checks, before the runner could record anything.
+        write_record(
+            run_dir,
+            {**record, "status": "interrupted", "ended": time.time(), "exit_code": 143,
+             "error": "stopped by rlcli runs cancel --force before training started"},
+        )  # fmt: skip
     after = state(run_dir)
     checkpoints = read_rows(run_dir / "checkpoints.jsonl", 0)[0]
     last = checkpoints[-1] if checkpoints else None
