@@ -135,7 +135,7 @@ def ensure_image(task: TaskSpec, build_timeout: float = 1800) -> tuple[str, bool
             "daemon and no registry may be reachable; build or load it first (docker load)"
         )
     done = docker(
-        "build", "-q", "-t", tag, "--label", f"{LABEL}=1", str(task.environment),
+        "build", "-q", "--force-rm", "-t", tag, "--label", f"{LABEL}=1", str(task.environment),
         timeout=build_timeout, check=False,
     )  # fmt: skip
     if done.returncode != 0:
