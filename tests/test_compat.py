@@ -154,3 +154,73 @@ def test_the_cancel_hook_seams_are_where_runs_cancel_expects_them():
     assert 'name=f"{step:06d}"' in periodic and 'kind="both"' in periodic
     assert inspect.iscoroutinefunction(manager.finalize_async)
     assert "checkpoints.jsonl" in inspect.getsource(checkpoint_utils.save_checkpoint_async)
+
+
+def test_the_harbor_recipe_imports_without_modal_and_has_the_seams_train_harbor_uses():
+    import dataclasses
+    import inspect
+    from pathlib import Path
+
+    from tinker_cookbook.recipes.harbor_rl import harbor_tools
+    from tinker_cookbook.sandbox import SandboxInterface, SandboxResult
+
+    from rlcli.harbor import tasks
+    from rlcli.harbor.docker import DockerSandbox
+
+    harbor_env = compat.import_harbor_env()  # modal is not a dependency of rlcli
+    # make_envs builds each env's reward and renderer by these global names (see compat.py).
+    source = inspect.getsource(harbor_env.HarborEnvGroupBuilder.make_envs)
+    assert "HarborReward(" in source and "get_renderer(renderer_name, tokenizer)" in source
+    assert "self.sandbox_factory(env_dir, self.sandbox_timeout)" in source
+    reward_fields = {f.name for f in dataclasses.fields(harbor_tools.HarborReward)}
+    assert reward_fields == {"tests_dir", "sandbox", "grader_timeout"}  # what Verifier takes
+    builder_fields = set(inspect.signature(harbor_env.HarborDatasetBuilder).parameters)
+    assert {
+        "tasks", "batch_size", "group_size", "model_name", "renderer_name", "max_turns",
+        "sandbox_timeout", "command_timeout", "grader_timeout", "max_trajectory_tokens",
+        "max_generation_tokens", "sandbox_factory",
+    } <= builder_fields  # fmt: skip
+    assert {"task_name", "instruction", "task_dir", "config"} <= {
+        f.name for f in dataclasses.fields(harbor_env.HarborTask)
+    }
+    # rlcli's Docker sandbox is a SandboxInterface, and results are the cookbook's.
+    task = tasks.load_task(Path(__file__).resolve().parents[1] / "examples/harbor-tasks/write-file")
+    assert isinstance(DockerSandbox("c0ffee", task, {}), SandboxInterface)
+    assert {"stdout", "stderr", "exit_code"} <= set(inspect.signature(SandboxResult).parameters)
+    bash = inspect.getsource(harbor_tools.HarborBashTool)
+    assert "timeout=self._command_timeout" in bash and "max_output_bytes=" in bash
+
+
+def test_harbor_hooks_put_rlcli_verifier_in_and_share_the_tokenizer_safely(monkeypatch, tiny_model):
+    import threading
+
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+    from rlcli.harbor.verifier import Verifier
+
+    harbor_env = compat.import_harbor_env()
+    monkeypatch.setattr(harbor_env, "HarborReward", harbor_env.HarborReward)  # restored after
+    monkeypatch.setattr(harbor_env, "get_renderer", harbor_env.get_renderer)
+    compat.install_harbor_hooks()
+    assert harbor_env.HarborReward is Verifier
+    tokenizer = get_tokenizer(str(tiny_model))
+    renderer = harbor_env.get_renderer("qwen3_instruct", tokenizer)
+    assert isinstance(renderer.tokenizer, compat._LockedTokenizer)
+    messages = [{"role": "user", "content": "count the rows of /app/scores.csv " * 20}]
+    expected = renderer.build_generation_prompt(messages).to_ints()
+    assert expected and tokenizer.decode(expected).endswith("assistant\n")
+    errors, results = [], []
+
+    def render() -> None:
+        try:
+            for _ in range(30):
+                results.append(renderer.build_generation_prompt(messages).to_ints())
+        except Exception as e:  # "RuntimeError: Already borrowed" without the lock
+            errors.append(e)
+
+    threads = [threading.Thread(target=render) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(results) == 240 and all(r == expected for r in results)
