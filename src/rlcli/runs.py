@@ -43,6 +43,7 @@ METRICS = {
     "sl": (("train_mean_nll", "loss"), ("test/nll", "held-out loss")),
     "rl": (("env/all/reward/total", "reward"), ("env/all/correct", "accuracy")),
     "opsd": (("teacher_kl", "kl"),),
+    "harbor": (("env/all/reward/total", "reward"), ("env/all/test_passed", "passed")),
 }
 
 
@@ -345,7 +346,7 @@ def plot(run_dirs: list[Path], out: Path | None = None) -> dict:
     from matplotlib.ticker import MaxNLocator
 
     labels = {key: label for pairs in METRICS.values() for key, label in pairs}
-    order = [key for pairs in METRICS.values() for key, _ in pairs]
+    order = list(dict.fromkeys(key for pairs in METRICS.values() for key, _ in pairs))
     by_run = [(Path(d), series(Path(d))) for d in run_dirs]
     panels = [key for key in order if any(key in s for _, s in by_run)]
     if not panels:

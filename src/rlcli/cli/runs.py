@@ -73,14 +73,18 @@ def show(
 
 def _follow(run_dir: Path) -> None:
     """Step lines and phases on stderr until the run is no longer running."""
+    import importlib
     import time
 
     from rlcli import runs
-    from rlcli.recipes import opsd, rl, sl
     from rlcli.recipes.progress import Follower
 
     now = runs.state(run_dir)
-    recipe = {"sl": sl, "rl": rl, "opsd": opsd}.get(now["kind"] or "", sl)
+    try:  # each recipe module names what its progress lines show
+        recipe = importlib.import_module(f"rlcli.recipes.{now['kind']}")
+        show, tokens_key = recipe.SHOW, recipe.TOKENS_KEY
+    except (ImportError, AttributeError, ValueError):
+        show, tokens_key = {k: label for k, label in runs.METRICS.get(now["kind"] or "", ())}, ""
     if now["status"] not in runs.LIVE:
         info(f"run {now['id']} is not running ({now['status']})")
         return
@@ -88,7 +92,7 @@ def _follow(run_dir: Path) -> None:
         f"following {now['id']} (step {now['steps_done']}/{now['total_steps']}); "
         "Ctrl-C stops following, not the run"
     )
-    follower = Follower(run_dir, now["total_steps"] or 0, recipe.SHOW, info, recipe.TOKENS_KEY)
+    follower = Follower(run_dir, now["total_steps"] or 0, show, info, tokens_key)
     try:
         while runs.state(run_dir)["status"] in runs.LIVE:
             follower.poll()
