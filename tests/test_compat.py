@@ -138,10 +138,12 @@ def test_the_cancel_hook_seams_are_where_runs_cancel_expects_them():
     assert "ml_logger.log_metrics(metrics=submitted.metrics, step=submitted.step)" in sl
     assert sl.index("checkpoint_mgr.maybe_save_async(") < sl.index("ml_logger.log_metrics(")
     assert '"batch": submitted.batch_idx' in sl and '"epoch": submitted.epoch_idx' in sl
+    assert 'metrics["progress"] = min((submitted.step + 1) / progress_denominator, 1.0)' in sl
     for loop in (rl_train.do_sync_training, train_on_policy.do_sync_training):
         source = inspect.getsource(loop)
         assert "ml_logger.log_metrics(metrics, step=i_batch)" in source
         assert "for i_batch in range(start_batch, end_batch)" in source
+        assert '"progress/done_frac": (i_batch + 1) / num_batches' in source
     assert "training_func = do_sync_training" in inspect.getsource(rl_train.main)
     assert "resume_info.batch" in inspect.getsource(rl_train.main)
     manager = checkpoint_utils.CheckpointManager

@@ -363,7 +363,9 @@ def score_teachers_with(teacher_for) -> None:
 # ``maybe_save_async`` was just given (the batch that comes next, as fixed above), RL and
 # distillation ``{"batch": i + 1}``. A checkpoint name always holds the same number of steps
 # (SL: ``i`` after i + 1 steps, like its periodic saves; RL: ``i + 1``), so a later save under
-# the same name holds the same state. tests/test_compat.py checks the seam.
+# the same name holds the same state. A request seen at the last step (the loops' progress
+# fraction, ``progress`` / ``progress/done_frac``, is 1) is left to the recipe, which saves
+# its final checkpoint and finishes. tests/test_compat.py checks the seam.
 
 
 class RunCancelled(Exception):
@@ -409,6 +411,9 @@ def install_cancel_hook(cancel_requested, report) -> None:
 
     def log_metrics(self, metrics, step=None):
         original_log(self, metrics, step)
+        done = metrics.get("progress", metrics.get("progress/done_frac"))
+        if isinstance(done, int | float) and done >= 1.0:
+            return  # the last step: the recipe saves its final checkpoint and ends anyway
         if step is not None and cancel_requested():
             raise RunCancelled(int(step))
 

@@ -304,8 +304,14 @@ def cancel(run_dir: Path, wait: float = 120.0, force: bool = False, report=None)
     checkpoints = read_rows(run_dir / "checkpoints.jsonl", 0)[0]
     last = checkpoints[-1] if checkpoints else None
     if not force and after["status"] != "cancelled":
+        if after["status"] == "finished":
+            raise RlcliError(
+                f"run {after['id']} finished instead (the request came during its last step, "
+                "which ends with the final checkpoint anyway): rlcli runs show "
+                f"{after['id']}"
+            )
         raise RlcliError(
-            f"run {after['id']} ended {after['status']} before the cancel request was seen"
+            f"run {after['id']} ended {after['status']} before it could be cancelled"
             + (f": {after['error']}" if after["error"] else "")
         )
     return {
