@@ -7,6 +7,7 @@ hash; no container is left behind."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import uuid
@@ -212,3 +213,65 @@ def test_a_missing_daemon_is_one_clear_line(monkeypatch):
         "--sandbox docker: no Docker daemon answers at unix:///nonexistent/docker.sock"
     )
     assert "DOCKER_HOST" in message and "\n" not in message
+
+
+def test_a_cookbook_episode_runs_the_models_bash_calls_in_the_container_and_grades_them(
+    run_id, tiny_model, monkeypatch
+):
+    """The cookbook's harbor_rl episode (its env, bash tool, turn handling) with rlcli's
+    sandbox and verifier plugged in, driven by assistant turns written as the model would
+    write them (a random tiny model never emits a well-formed tool call)."""
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+    from rlcli import compat
+
+    harbor_env = compat.import_harbor_env()
+    monkeypatch.setattr(harbor_env, "HarborReward", harbor_env.HarborReward)  # restored after
+    monkeypatch.setattr(harbor_env, "get_renderer", harbor_env.get_renderer)
+    compat.install_harbor_hooks()
+    tokenizer = get_tokenizer(str(tiny_model))
+    spec = tasks.load_task(EXAMPLES / "write-file")
+    task = harbor_env.HarborTask(spec.name, spec.instruction, spec.folder, spec.config)
+
+    def turn(text: str) -> list[int]:
+        return tokenizer.encode(text + "<|im_end|>", add_special_tokens=False)
+
+    def call(command: str) -> list[int]:
+        payload = {"name": "bash", "arguments": {"command": command}}
+        return turn(f"<tool_call>\n{json.dumps(payload)}\n</tool_call>")
+
+    async def episode(actions: list[list[int]]):
+        builder = harbor_env.HarborDatasetBuilder(
+            tasks=[task], batch_size=1, group_size=1, model_name=str(tiny_model),
+            renderer_name="qwen3_instruct", max_turns=3, command_timeout=2,
+            sandbox_factory=docker.DockerSandboxFactory([spec], run_id),
+        )  # fmt: skip
+        train, _ = await builder()
+        group = train.get_batch(0)[0]
+        (env,) = await group.make_envs()
+        try:
+            observation, _ = await env.initial_observation()
+            steps = [await env.step(action) for action in actions]
+        finally:
+            await group.cleanup()
+        return tokenizer.decode(observation.to_ints()), steps
+
+    prompt, steps = asyncio.run(
+        episode(
+            [
+                call("printf 'hello, harbor\\n' > /app/greeting.txt; echo wrote it"),
+                call("sleep 30"),
+                turn("Done."),
+            ]
+        )
+    )
+    assert spec.instruction.strip() in prompt and '"name": "bash"' in prompt
+    first, slow, last = steps
+    seen = tokenizer.decode(first.next_observation.to_ints())
+    assert not first.episode_done and '"exit_code": 0' in seen and "wrote it" in seen
+    seen = tokenizer.decode(slow.next_observation.to_ints())
+    assert '"exit_code": 124' in seen and "command timed out after 2s and was killed" in seen
+    assert last.episode_done and last.reward == 1.0  # the verifier ran in the same container
+
+    _, (only,) = asyncio.run(episode([turn("I will not do anything.")]))
+    assert only.episode_done and only.reward == 0.0
