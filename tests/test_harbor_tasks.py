@@ -161,5 +161,5 @@ def test_modal_without_the_package_is_a_clear_error(tiny_model):
     )  # fmt: skip
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
-        "error: --sandbox modal: the modal package is not installed (pip install modal)"
+        "error: --sandbox modal: the modal package is not installed (pip install 'rlcli[modal]')"
     )

@@ -507,7 +507,9 @@ def import_harbor_env():
 
             @classmethod
             async def create(cls, *args, **kwargs):
-                raise RuntimeError("--sandbox modal needs the modal package: pip install modal")
+                raise RuntimeError(
+                    "--sandbox modal needs the modal package: pip install 'rlcli[modal]'"
+                )
 
         stand_in.ModalSandbox = ModalSandbox  # type: ignore[attr-defined]
         sys.modules[name] = stand_in

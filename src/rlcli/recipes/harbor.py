@@ -97,7 +97,9 @@ def check_modal() -> None:
     import os
 
     if importlib.util.find_spec("modal") is None:
-        raise RlcliError("--sandbox modal: the modal package is not installed (pip install modal)")
+        raise RlcliError(
+            "--sandbox modal: the modal package is not installed (pip install 'rlcli[modal]')"
+        )
     has_env = os.environ.get("MODAL_TOKEN_ID") and os.environ.get("MODAL_TOKEN_SECRET")
     if not has_env and not (Path.home() / ".modal.toml").is_file():
         raise RlcliError(
