@@ -43,11 +43,11 @@ def _fmt(value) -> str:
 
 def table(result: dict) -> None:
     """One column per policy (base, checkpoint, and their difference with --compare)."""
-    title = f"eval rl: {result['env']} ({result['tasks']} tasks, seed {result['seed']})"
     if "difference" not in result:
-        rows = {"env": result["env"]} | {name: _fmt(result[key]) for key, name in SHOWN}
-        emit(rows, as_json=False, title=title)
+        rows = {"env": result["env"], "seed": result["seed"]}
+        emit(rows | {name: _fmt(result[key]) for key, name in SHOWN}, as_json=False)
         return
+    title = f"eval rl: {result['env']} ({result['tasks']} tasks, seed {result['seed']})"
     base, trained, diff = result["base"], result["checkpoint"], result["difference"]
     rows = [
         {
