@@ -124,7 +124,8 @@ def test_bad_specs_are_one_line(tmp_path):
     harbor = tmp_path / "task"
     harbor.mkdir()
     (harbor / "task.toml").write_text("[environment]\n")
-    assert "Harbor task folder" in error(str(harbor)) and "not available yet" in error(str(harbor))
+    assert "Harbor tasks" in error(str(harbor)) and "rlcli train harbor" in error(str(harbor))
+    assert "rlcli train harbor --dataset" in error(str(tmp_path))  # a folder of task folders
     bad = tmp_path / "bad.jsonl"
     rows = [{"question": "q", "answer": "a"}, {"question": "q"}, "x", {"question": "", "answer": 1}]
     bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n{oops\n")

@@ -143,4 +143,4 @@ def test_bad_input_is_one_line(tmp_path, server, tiny_model):
     harbor = tmp_path / "task"
     harbor.mkdir()
     (harbor / "instruction.md").write_text("Fix the bug.\n")
-    fails(*model, "--env", str(harbor), where="Harbor task folder")
+    fails(*model, "--env", str(harbor), where="train on them with `rlcli train harbor")

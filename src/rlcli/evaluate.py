@@ -30,7 +30,7 @@ Report = Callable[[str, int, int], None]  # (policy label, tasks done, tasks in 
 class EvalOptions:
     env: str = option(
         help="Environment: gsm8k (test split), arithmetic, niah[:words=N,depth=D], or a JSONL "
-        'file of {"question", "answer"} pairs (a Harbor task folder is not supported yet).'
+        'file of {"question", "answer"} pairs (Harbor task folders: not yet; see train harbor).'
     )
     model: str | None = option(
         None, "Base model (default with --checkpoint: the checkpoint's base model)."

@@ -6,8 +6,10 @@ cookbook ``ProblemEnv`` that prompts and grades it; training wraps those envs in
 ``ProblemGroupBuilder`` (``recipes/env_builder.py``) and evaluation calls
 ``initial_observation()`` / ``step(tokens)`` on the very same objects, so a reward means the same
 thing in both. Specs: ``gsm8k``, ``arithmetic``, ``niah`` (``niah:words=500,depth=0.5``), or a
-path to a JSONL file of ``{"question", "answer"}``. Nothing here imports torch or tinker at import
-time (``rlcli --help`` stays fast); the cookbook comes in with ``make_env``.
+path to a JSONL file of ``{"question", "answer"}``; a Harbor task folder is refused with one
+line pointing at ``rlcli train harbor`` (its episodes are multi-turn, in containers). Nothing
+here imports torch or tinker at import time (``rlcli --help`` stays fast); the cookbook comes in
+with ``make_env``.
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ def get(spec: str, *, flag: str = "--env", gsm8k_dir: str | None = None) -> Envi
         return Niah.from_params(settings, spec, flag)
     path = Path(spec).expanduser()
     if path.is_dir():
-        if (path / "task.toml").is_file() or (path / "instruction.md").is_file():
+        if _harbor(path):
             raise RlcliError(
-                f"{flag} {spec}: a Harbor task folder; Harbor environments need `rlcli train "
-                "harbor` support, which is not available yet"
+                f"{flag} {spec}: Harbor tasks (multi-turn episodes in containers) are not an "
+                f"environment of this command yet; train on them with `rlcli train harbor "
+                f"--dataset {spec}`"
             )
         raise RlcliError(f"{flag} {spec}: a folder, not an environment; use {USAGE}")
     if path.is_file():
@@ -59,6 +62,15 @@ def get(spec: str, *, flag: str = "--env", gsm8k_dir: str | None = None) -> Envi
     if path.suffix == ".jsonl" or "/" in spec:
         raise RlcliError(f"{flag} {spec}: no such file")
     raise RlcliError(f"{flag} {spec}: unknown environment; use {USAGE}")
+
+
+def _harbor(folder: Path) -> bool:
+    """A Harbor task folder, or a folder of them (what ``train harbor --dataset`` takes)."""
+    from rlcli.harbor.tasks import is_task_folder
+
+    return is_task_folder(folder) or any(
+        p.is_dir() and is_task_folder(p) for p in folder.iterdir() if not p.name.startswith(".")
+    )
 
 
 def _params(text: str, spec: str, flag: str) -> dict[str, str]:
