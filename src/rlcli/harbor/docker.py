@@ -17,8 +17,8 @@
   and is removed by ``cleanup``, at exit (``atexit``), on SIGTERM, and by the parent ``rlcli``
   process after the recipe ends (``remove_run_containers``), whatever way it ended.
 
-The daemon is ``$DOCKER_HOST``, else the system socket, else the one ``.ci/docker-up.sh``
-starts (``/var/lib/rlcli-docker/docker.sock``).
+The daemon is ``$DOCKER_HOST``, else the one ``.ci/docker-up.sh`` starts
+(``/var/lib/rlcli-docker/docker.sock``) when it is there, else Docker's default socket.
 """
 
 from __future__ import annotations
@@ -52,12 +52,13 @@ STATS_FILE = "harbor_sandbox.jsonl"  # per container: start, commands, time (in 
 def docker_env() -> dict[str, str]:
     """The environment for ``docker`` commands: ``DOCKER_HOST`` as found (see the docstring)."""
     env = dict(os.environ)
-    if not env.get("DOCKER_HOST") and not SYSTEM_SOCKET.exists() and RLCLI_SOCKET.exists():
+    if not env.get("DOCKER_HOST") and RLCLI_SOCKET.exists():
         env["DOCKER_HOST"] = f"unix://{RLCLI_SOCKET}"
     return env
 
 
-def _where() -> str:
+def where() -> str:
+    """The daemon ``docker`` commands talk to."""
     return docker_env().get("DOCKER_HOST") or f"unix://{SYSTEM_SOCKET}"
 
 
@@ -92,7 +93,7 @@ def check_daemon() -> str:
     done = docker("version", "--format", "{{.Server.Version}}", timeout=15, check=False)
     if done.returncode != 0:
         raise RlcliError(
-            f"--sandbox docker: no Docker daemon answers at {_where()} "
+            f"--sandbox docker: no Docker daemon answers at {where()} "
             f"({_last_line(done.stderr)}); start one (e.g. sudo .ci/docker-up.sh, or dockerd), "
             "or point DOCKER_HOST at it"
         )

@@ -178,7 +178,7 @@ def check_server(server, opts: HarborOptions, plan: HarborPlan) -> str:
             if new:
                 built.append(tag)
         info(
-            f"docker {version} at {docker._where()}: {len(found)} task images ready"
+            f"docker {version} at {docker.where()}: {len(found)} task images ready"
             + (f" ({len(built)} built now)" if built else "")
         )
     return served_by
@@ -216,8 +216,10 @@ def train(train_flow, opts: HarborOptions) -> None:
         train_flow(sys.modules[__name__], opts)
     finally:
         from rlcli.harbor import docker
+        from rlcli.recipes.runner import SPEC
 
-        left = docker.remove_run_containers(run_id(run_dir))
+        # Only once a recipe may have started (a refused run made no container).
+        left = docker.remove_run_containers(run_id(run_dir)) if (run_dir / SPEC).exists() else 0
         if left:
             from rlcli.cli._output import info
 
@@ -323,6 +325,7 @@ def run_in_child(spec: dict) -> dict:
     config = cookbook_config(spec)
     seed_sampling(spec["options"]["seed"])
     run = run_id(config.log_path)
+    docker.remove_run_containers(run)  # what an earlier attempt killed with its parent left
     _remove_on_sigterm(run)
     try:
         asyncio.run(train.main(config))
