@@ -6,11 +6,15 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # tests talk to our server only
+# Runs, server records and the run index go to a scratch home, never the user's ~/.rlcli
+# (tests that need a home of their own set RLCLI_HOME themselves).
+os.environ["RLCLI_HOME"] = tempfile.mkdtemp(prefix="rlcli-test-home-")
 # SDK clients made by tests keep heartbeating from a background thread after their server
 # has been stopped; at interpreter exit their warnings hit closed streams and print
 # "--- Logging error ---" after pytest's summary. Those warnings are expected here.
