@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,6 +17,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")  # tests talk to our server only
 # Runs, server records and the run index go to a scratch home, never the user's ~/.rlcli
 # (tests that need a home of their own set RLCLI_HOME themselves).
 os.environ["RLCLI_HOME"] = tempfile.mkdtemp(prefix="rlcli-test-home-")
+atexit.register(shutil.rmtree, os.environ["RLCLI_HOME"], ignore_errors=True)
 # SDK clients made by tests keep heartbeating from a background thread after their server
 # has been stopped; at interpreter exit their warnings hit closed streams and print
 # "--- Logging error ---" after pytest's summary. Those warnings are expected here.
