@@ -117,11 +117,13 @@ def test_a_dataset_name_missing_from_the_cache_says_how_to_use_a_local_folder(tm
 
 def test_a_dataset_in_the_harbor_cache_is_used_by_name(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    shutil.copytree(EXAMPLES / "fix-script", cache / "mini@1.0" / "fix-script")
+    # As Harbor's downloads lay them out: each task in a hash folder.
+    shutil.copytree(EXAMPLES / "fix-script", cache / "mini-1.0" / "Xk3bQ9" / "fix-script")
+    shutil.copytree(EXAMPLES / "write-file", cache / "mini-1.0" / "a7Zr2m" / "write-file")
     monkeypatch.setenv("HARBOR_CACHE_DIR", str(cache))
     folder, source = tasks.resolve_dataset("mini@1.0")
-    assert folder == cache / "mini@1.0" and source.startswith("Harbor cache")
-    assert [t.name for t in tasks.load_tasks(folder)] == ["fix-script"]
+    assert folder == cache / "mini-1.0" and source.startswith("Harbor cache")
+    assert [t.name for t in tasks.load_tasks(folder)] == ["fix-script", "write-file"]
 
 
 def test_dry_run_validates_the_tasks_with_no_daemon_and_no_server(tmp_path, tiny_model):

@@ -6,8 +6,10 @@ prebuilt ``[environment] docker_image``), ``tests/test.sh`` and, optionally,
 reported as one line naming the folder and what is wrong.
 
 ``--dataset`` is a local folder of task folders (or one task folder), or ``name@version``: a
-dataset under the Harbor cache (``~/.cache/harbor/tasks/<name@version>``, as the cookbook's
-recipe reads it), downloaded with ``uvx harbor datasets download`` when missing.
+dataset under the Harbor cache (``~/.cache/harbor/tasks/<name>-<version>``, where the cookbook's
+recipe has it downloaded; ``<name@version>`` is read too), downloaded with ``uvx harbor datasets
+download NAME@VERSION -o FOLDER`` when missing. Task folders may sit one level down, in the hash
+folders Harbor's downloads use.
 """
 
 from __future__ import annotations
@@ -147,10 +149,11 @@ def load_tasks(
     if is_task_folder(root):
         folders = [root]
     else:
-        folders = sorted(
-            (p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))),
-            key=lambda p: p.name,
-        )
+        folders = []
+        for child in _subfolders(root):
+            # Harbor's downloads may nest each task in a hash folder: <hash>/<task_name>/.
+            folders += [child] if is_task_folder(child) else _subfolders(child)
+        folders.sort(key=lambda p: (p.name, str(p)))
     if not folders:
         raise RlcliError(f"--dataset {root}: no task folders in it")
     if task_filter:
@@ -161,6 +164,10 @@ def load_tasks(
     if max_tasks is not None:
         folders = folders[:max_tasks]
     return [load_task(f) for f in folders]
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))]
 
 
 def is_dataset_name(dataset: str) -> bool:
@@ -181,9 +188,11 @@ def resolve_dataset(dataset: str, download: bool = True) -> tuple[Path, str]:
         if not path.is_dir():
             raise RlcliError(f"--dataset {dataset}: not a folder of Harbor task folders")
         return path.resolve(), "local folder"
-    cached = harbor_cache() / dataset
-    if cached.is_dir() and any(cached.iterdir()):
-        return cached, f"Harbor cache ({cached})"
+    # The cookbook's recipe downloads terminal-bench@2.0 into <cache>/terminal-bench-2.0.
+    cached = harbor_cache() / dataset.replace("@", "-")
+    for folder in (cached, harbor_cache() / dataset):
+        if folder.is_dir() and any(folder.iterdir()):
+            return folder, f"Harbor cache ({folder})"
     hint = (
         f"or pass a local folder of task folders, e.g. --dataset examples/harbor-tasks "
         f"(or put the dataset in {cached})"
@@ -205,7 +214,7 @@ def _download(dataset: str, target: Path, hint: str) -> None:
             f"--dataset {dataset}: not in the Harbor cache and `uvx` is not installed to "
             f"download it (uvx harbor datasets download {dataset}); {hint}"
         )
-    command = [uvx, "harbor", "datasets", "download", dataset, "--output-dir", str(target.parent)]
+    command = [uvx, "harbor", "datasets", "download", dataset, "-o", str(target)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     except (OSError, subprocess.TimeoutExpired) as e:
