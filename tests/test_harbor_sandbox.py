@@ -275,3 +275,21 @@ def test_a_cookbook_episode_runs_the_models_bash_calls_in_the_container_and_grad
 
     _, (only,) = asyncio.run(episode([turn("I will not do anything.")]))
     assert only.episode_done and only.reward == 0.0
+
+
+def test_a_prebuilt_image_is_used_when_the_daemon_has_it_else_the_dockerfile(tmp_path, daemon):
+    task_dir = tmp_path / "prebuilt"
+    shutil.copytree(EXAMPLES / "write-file", task_dir)
+    toml = task_dir / "task.toml"
+    base = toml.read_text()
+    toml.write_text(base.replace("[environment]", '[environment]\ndocker_image = "nope/gone:1"'))
+    # Not on this daemon (and no registry): the task's Dockerfile is built instead.
+    tag, _ = docker.ensure_image(tasks.load_task(task_dir))
+    assert tag.startswith("rlcli-harbor/prebuilt:")
+    (task_dir / "environment" / "Dockerfile").unlink()
+    with pytest.raises(RlcliError, match=r"image nope/gone:1 \(task.toml docker_image\) is not"):
+        docker.ensure_image(tasks.load_task(task_dir))
+    toml.write_text(
+        base.replace("[environment]", '[environment]\ndocker_image = "rlcli-harbor-base:bookworm"')
+    )
+    assert docker.ensure_image(tasks.load_task(task_dir)) == ("rlcli-harbor-base:bookworm", False)

@@ -3,9 +3,9 @@
 ``DockerSandbox`` has the cookbook's ``SandboxInterface`` (``sandbox_id``, ``send_heartbeat``,
 ``run_command``, ``read_file``, ``write_file``, ``cleanup``) and drives the ``docker`` CLI:
 
-- the image is built from the task's ``environment/`` and tagged by a hash of that folder's
-  contents (an edited Dockerfile or file rebuilds; an unchanged one is reused), or is the
-  task's prebuilt ``docker_image``;
+- the image is the task's prebuilt ``docker_image`` when the daemon has it, else built from the
+  task's ``environment/`` and tagged by a hash of that folder's contents (an edited Dockerfile
+  or file rebuilds; an unchanged one is reused);
 - one container per rollout (``docker run -d --rm``), held to the task's CPUs and memory (swap
   included), with no network unless the task sets ``allow_internet``, a pid limit, and a main
   process that ends by itself after the environment timeout (so even a container whose owner
@@ -114,9 +114,7 @@ def environment_hash(folder: Path) -> str:
 
 
 def image_tag(task: TaskSpec) -> str:
-    """The task's prebuilt image, or ``rlcli-harbor/<task>:<content hash>``."""
-    if task.docker_image:
-        return task.docker_image
+    """``rlcli-harbor/<task>:<hash of environment/>``: the tag of the image built from it."""
     name = re.sub(r"[^a-z0-9_.-]+", "-", task.name.lower()).strip("-._") or "task"
     return f"rlcli-harbor/{name}:{environment_hash(task.environment)}"
 
@@ -125,16 +123,32 @@ def image_exists(tag: str) -> bool:
     return docker("image", "inspect", tag, timeout=30, check=False).returncode == 0
 
 
+def has_dockerfile(task: TaskSpec) -> bool:
+    return (task.environment / "Dockerfile").is_file()
+
+
+def needs_build(task: TaskSpec) -> bool:
+    """Whether ``ensure_image`` would build (no prebuilt image here, no built one either)."""
+    if task.docker_image and image_exists(task.docker_image):
+        return False
+    return has_dockerfile(task) and not image_exists(image_tag(task))
+
+
 def ensure_image(task: TaskSpec, build_timeout: float = 1800) -> tuple[str, bool]:
-    """(tag, built now): build the task's image unless one with its content hash exists."""
+    """(tag, built now): the task's prebuilt ``docker_image`` when this daemon has it (no
+    registry may be reachable), else the image built from ``environment/`` (reused while the
+    folder's contents hash the same)."""
+    if task.docker_image and image_exists(task.docker_image):
+        return task.docker_image, False
+    if not has_dockerfile(task):
+        raise RlcliError(
+            f"task {task.folder}: image {task.docker_image} (task.toml docker_image) is not on "
+            "this Docker daemon and there is no environment/Dockerfile to build; load it first "
+            "(docker load) or pull it where a registry is reachable"
+        )
     tag = image_tag(task)
     if image_exists(tag):
         return tag, False
-    if task.docker_image:
-        raise RlcliError(
-            f"task {task.folder}: image {tag} (task.toml docker_image) is not on this Docker "
-            "daemon and no registry may be reachable; build or load it first (docker load)"
-        )
     done = docker(
         "build", "-q", "--force-rm", "-t", tag, "--label", f"{LABEL}=1", str(task.environment),
         timeout=build_timeout, check=False,

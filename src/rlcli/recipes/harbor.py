@@ -174,7 +174,7 @@ def check_server(server, opts: HarborOptions, plan: HarborPlan) -> str:
         _, _, found = load_tasks(plan.dataset, opts.task_filter, opts.max_tasks, download=False)
         built = []
         for task in found:
-            if not docker.image_exists(docker.image_tag(task)):
+            if docker.needs_build(task):
                 info(f"building the image of task {task.name} ({task.environment})")
             tag, new = docker.ensure_image(task)
             if new:
