@@ -66,9 +66,13 @@ class Progress:
 
     def __init__(self) -> None:
         self.bar = None
+        self.tty = sys.stderr.isatty()
         self.ids: dict[str, int] = {}
         self.shown: dict[str, int] = {}
-        if sys.stderr.isatty():
+
+    def _start(self) -> None:
+        """The bar starts with the first task (after the lines about the server and renderer)."""
+        if self.tty and self.bar is None:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
@@ -83,6 +87,7 @@ class Progress:
             self.bar.start()
 
     def __call__(self, label: str, done: int, total: int) -> None:
+        self._start()
         if self.bar is not None:
             if label not in self.ids:
                 self.ids[label] = self.bar.add_task(f"scoring {label}", total=total)
