@@ -126,6 +126,7 @@ def test_bad_specs_are_one_line(tmp_path):
     (harbor / "task.toml").write_text("[environment]\n")
     assert "Harbor tasks" in error(str(harbor)) and "rlcli train harbor" in error(str(harbor))
     assert "rlcli train harbor --dataset" in error(str(tmp_path))  # a folder of task folders
+    assert "rlcli train harbor --dataset terminal-bench@2.0" in error("terminal-bench@2.0")
     bad = tmp_path / "bad.jsonl"
     rows = [{"question": "q", "answer": "a"}, {"question": "q"}, "x", {"question": "", "answer": 1}]
     bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n{oops\n")

@@ -47,13 +47,15 @@ def get(spec: str, *, flag: str = "--env", gsm8k_dir: str | None = None) -> Envi
 
         return Niah.from_params(settings, spec, flag)
     path = Path(spec).expanduser()
+    from rlcli.harbor.tasks import is_dataset_name
+
+    if (path.is_dir() and _harbor(path)) or is_dataset_name(spec):
+        raise RlcliError(
+            f"{flag} {spec}: Harbor tasks (multi-turn episodes in containers) are not an "
+            f"environment of this command yet; train on them with `rlcli train harbor "
+            f"--dataset {spec}`"
+        )
     if path.is_dir():
-        if _harbor(path):
-            raise RlcliError(
-                f"{flag} {spec}: Harbor tasks (multi-turn episodes in containers) are not an "
-                f"environment of this command yet; train on them with `rlcli train harbor "
-                f"--dataset {spec}`"
-            )
         raise RlcliError(f"{flag} {spec}: a folder, not an environment; use {USAGE}")
     if path.is_file():
         from rlcli.envs.jsonl import JsonlFile
