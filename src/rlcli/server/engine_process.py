@@ -31,7 +31,12 @@ from rlcli.server.futures import FutureStore
 log = logging.getLogger("rlcli.server")
 
 READY = "__ready__"
-GATHER_WINDOW_S = 0.003  # how long a sample request waits for others to batch with
+# A sample request waits for others to batch with while they keep coming: until none arrived
+# for GATHER_IDLE_S, at most GATHER_MAX_S in all. Concurrent clients (an eval's 64 tasks, a
+# step's rollouts) reach the queue spread over tens of ms; a fixed 3 ms window split them into
+# two full decodes (14 + 50 rows), the second waiting for the first to finish.
+GATHER_IDLE_S = 0.02
+GATHER_MAX_S = 0.25
 
 
 class EngineUnavailable(RuntimeError):
@@ -159,10 +164,11 @@ def engine_main(settings: dict[str, Any], requests, results) -> None:
             return
         if isinstance(item[1], ops.Sample):
             batch = [item]
-            deadline = time.monotonic() + GATHER_WINDOW_S
+            deadline = time.monotonic() + GATHER_MAX_S
             while len(batch) < 64 and not backlog:
+                wait = min(GATHER_IDLE_S, deadline - time.monotonic())
                 try:
-                    nxt = requests.get(timeout=max(0.0, deadline - time.monotonic()))
+                    nxt = requests.get(timeout=max(0.0, wait))
                 except queue.Empty:
                     break
                 if nxt is None or not isinstance(nxt[1], ops.Sample):
