@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rlcli.errors import RlcliError
 from rlcli.recipes.options import PolicyOptions, TrainOptions, option, resume_command, retune, saved
-from rlcli.recipes.rl import parse_loss_config, seed_sampling
+from rlcli.recipes.rl import parse_loss_config, policy_config, seed_sampling
 from rlcli.recipes.runner import default_run_dir, metric_values
 
 GRADER_TIMEOUT_S = 60  # a task's [verifier] timeout_sec raises it
@@ -232,7 +232,6 @@ def train(train_flow, opts: HarborOptions) -> None:
 
 
 def cookbook_config(spec: dict):
-    from tinker_cookbook.rl import train
 
     from rlcli.compat import import_harbor_env
     from rlcli.harbor.docker import STATS_FILE, DockerSandboxFactory
@@ -264,34 +263,7 @@ def cookbook_config(spec: dict):
         max_generation_tokens=opts["max_tokens"],
         sandbox_factory=factory,
     )
-    kl_reference = None
-    if opts["kl_penalty_coef"] > 0:
-        kl_reference = train.KLReferenceConfig(
-            base_model=opts["model"], load_checkpoint_path=opts["kl_reference"]
-        )
-    return train.Config(
-        learning_rate=opts["lr"],
-        dataset_builder=builder,
-        model_name=opts["model"],
-        recipe_name="rlcli_harbor",
-        max_tokens=opts["max_tokens"],
-        temperature=opts["temperature"],
-        log_path=plan["run_dir"],
-        renderer_name=plan["renderer"],
-        loss_fn=plan["loss"],
-        loss_fn_config=plan["loss_config"],
-        lora_rank=opts["lora_rank"],
-        load_checkpoint_path=opts["init_checkpoint"],
-        kl_penalty_coef=opts["kl_penalty_coef"],
-        kl_reference_config=kl_reference,
-        save_every=opts["save_every"],
-        eval_every=opts["eval_every"],
-        base_url=opts["base_url"],
-        max_steps=plan["steps"],
-        num_groups_to_log=0,
-        wandb_project=opts["wandb_project"],
-        wandb_name=opts["wandb_name"],
-    )
+    return policy_config(spec, builder, "rlcli_harbor")
 
 
 REWARD, PASSED = "env/all/reward/total", "env/all/test_passed"

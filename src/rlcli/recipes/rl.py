@@ -195,7 +195,6 @@ def spec(opts: RLOptions, plan: RLPlan) -> dict:
 
 
 def cookbook_config(spec: dict):
-    from tinker_cookbook.rl import train
 
     from rlcli.recipes.env_builder import EnvDatasetBuilder
 
@@ -210,6 +209,15 @@ def cookbook_config(spec: dict):
         eval_size=opts["eval_size"] if opts["eval_every"] else 0,
         seed=opts["seed"],
     )
+    return policy_config(spec, builder, "rlcli_rl")
+
+
+def policy_config(spec: dict, builder, recipe_name: str):
+    """The cookbook's ``rl.train.Config`` from an RL-style command's saved options (``train rl``,
+    ``train harbor``): the loss, the KL reference, checkpoints, evaluation, logging."""
+    from tinker_cookbook.rl import train
+
+    opts, plan = spec["options"], spec["plan"]
     kl_reference = None
     if opts["kl_penalty_coef"] > 0:  # the base model's weights, or a sampler checkpoint's
         kl_reference = train.KLReferenceConfig(
@@ -219,7 +227,7 @@ def cookbook_config(spec: dict):
         learning_rate=opts["lr"],
         dataset_builder=builder,
         model_name=opts["model"],
-        recipe_name="rlcli_rl",
+        recipe_name=recipe_name,
         max_tokens=opts["max_tokens"],
         temperature=opts["temperature"],
         log_path=plan["run_dir"],
