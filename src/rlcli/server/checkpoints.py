@@ -193,44 +193,42 @@ def write_adapter(
     import torch
     from safetensors.torch import save_file
 
-    link = Path(directory)
-    parent = link.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    version = parent / f"{VERSION_PREFIX}{link.name}-{time.time_ns()}"
-    version.mkdir()
-    try:
-        config = copy.deepcopy(config)
-        config.base_model_name_or_path = base_model
-        config.save_pretrained(str(version))
+    def fill(version: Path) -> None:
+        adapter_config = copy.deepcopy(config)
+        adapter_config.base_model_name_or_path = base_model
+        adapter_config.save_pretrained(str(version))
         tensors = {k: v.contiguous() for k, v in state.items()}
         save_file(tensors, version / "adapter_model.safetensors")
         if optimizer is not None:
             torch.save(optimizer, version / "optimizer.pt")
-        meta = {**meta, "created": time.time(), "size_bytes": folder_size(version)}
-        (version / "checkpoint.json").write_text(json.dumps(meta, indent=2) + "\n")
-        for path in version.iterdir():
-            _fsync(path)
-        _fsync(version)
-        _point(link, version)
-    except BaseException:
-        shutil.rmtree(version, ignore_errors=True)
-        raise
-    sweep_versions(parent)
-    return version
+
+    return _write_version(directory, fill, meta)
 
 
 def write_files(directory: str | Path, sources: dict[str, Path], meta: dict[str, Any]) -> Path:
     """Write a new version of the checkpoint named ``directory`` from files already on disk
     (``{name in the version: source file}``, e.g. an uploaded state) and point the name at it,
     as ``write_adapter`` does: a failure at any point leaves the previous version in place."""
+
+    def fill(version: Path) -> None:
+        for name, source in sources.items():
+            shutil.copyfile(source, version / name)
+
+    return _write_version(directory, fill, meta)
+
+
+def _write_version(directory: str | Path, fill, meta: dict[str, Any]) -> Path:
+    """The one way a checkpoint is written (invariant 3): ``fill(version)`` writes the files
+    into a new hidden version folder, ``checkpoint.json`` is added, everything is fsynced, and
+    the name ``directory`` is re-pointed at the version in one rename. A failure at any point
+    removes the version and leaves the previous one in place."""
     link = Path(directory)
     parent = link.parent
     parent.mkdir(parents=True, exist_ok=True)
     version = parent / f"{VERSION_PREFIX}{link.name}-{time.time_ns()}"
     version.mkdir()
     try:
-        for name, source in sources.items():
-            shutil.copyfile(source, version / name)
+        fill(version)
         meta = {**meta, "created": time.time(), "size_bytes": folder_size(version)}
         (version / "checkpoint.json").write_text(json.dumps(meta, indent=2) + "\n")
         for path in version.iterdir():
