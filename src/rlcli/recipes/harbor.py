@@ -20,8 +20,8 @@ from pathlib import Path
 
 from rlcli.errors import RlcliError
 from rlcli.recipes.options import PolicyOptions, TrainOptions, option, resume_command, retune, saved
-from rlcli.recipes.rl import parse_loss_config, policy_config, seed_sampling
-from rlcli.recipes.runner import default_run_dir, metric_values
+from rlcli.recipes.rl import parse_loss_config, policy_config, policy_summary, seed_sampling
+from rlcli.recipes.runner import default_run_dir
 
 GRADER_TIMEOUT_S = 60  # a task's [verifier] timeout_sec raises it
 MAX_TRAJECTORY_TOKENS = 32 * 1024  # the cookbook's default: past it the episode ends
@@ -289,7 +289,6 @@ def _remove_on_sigterm(run: str) -> None:
 def run_in_child(spec: dict) -> dict:
     import asyncio
 
-    from tinker_cookbook import checkpoint_utils
     from tinker_cookbook.rl import train
 
     from rlcli import compat
@@ -306,17 +305,7 @@ def run_in_child(spec: dict) -> dict:
     finally:
         docker.remove_live_containers()
         docker.remove_run_containers(run)
-    last = checkpoint_utils.get_last_checkpoint(config.log_path)
-    series = metric_values(Path(config.log_path), REWARD, PASSED)
-    return {
-        "run_dir": config.log_path,
-        "loss": config.loss_fn,
-        "state_path": last.state_path if last else None,
-        "sampler_path": last.get("sampler_path") if last else None,
-        "first_reward": (series[REWARD] or [None])[0],
-        "final_reward": (series[REWARD] or [None])[-1],
-        "final_passed": (series[PASSED] or [None])[-1],
-    }
+    return policy_summary(config, {"final_passed": PASSED})
 
 
 COMMAND = "rlcli train harbor"

@@ -285,16 +285,23 @@ def seed_sampling(seed: int) -> None:
 def run_in_child(spec: dict) -> dict:
     import asyncio
 
-    from tinker_cookbook import checkpoint_utils
     from tinker_cookbook.rl import train
 
     config = cookbook_config(spec)
     seed_sampling(spec["options"]["seed"])
     asyncio.run(train.main(config))
-    run_dir = Path(config.log_path)
+    return policy_summary(
+        config, {"final_accuracy": ACCURACY, "test_accuracy": "test/env/all/correct"}
+    )
+
+
+def policy_summary(config, last_values: dict[str, str]) -> dict:
+    """The end summary of an ``rl.train`` run: the last checkpoint's paths, the first and last
+    reward, and the last value of each metric in ``last_values`` ({summary key: metric})."""
+    from tinker_cookbook import checkpoint_utils
+
     last = checkpoint_utils.get_last_checkpoint(config.log_path)
-    test_accuracy = "test/env/all/correct"
-    series = metric_values(run_dir, REWARD, ACCURACY, test_accuracy)
+    series = metric_values(Path(config.log_path), REWARD, *last_values.values())
     return {
         "run_dir": config.log_path,
         "loss": config.loss_fn,
@@ -302,8 +309,7 @@ def run_in_child(spec: dict) -> dict:
         "sampler_path": last.get("sampler_path") if last else None,
         "first_reward": (series[REWARD] or [None])[0],
         "final_reward": (series[REWARD] or [None])[-1],
-        "final_accuracy": (series[ACCURACY] or [None])[-1],
-        "test_accuracy": (series[test_accuracy] or [None])[-1],
+        **{key: (series[metric] or [None])[-1] for key, metric in last_values.items()},
     }
 
 
