@@ -57,32 +57,6 @@ def test_api_key_prefix_is_what_the_client_enforces():
         ApiKeyAuthProvider(api_key="sk-not-tinker")
 
 
-def test_gsm8k_dataset_from_rows_works_without_the_hub():
-    from tinker_cookbook import renderers
-    from tinker_cookbook.recipes.math_rl.math_env import MathEnv
-    from tinker_cookbook.rl.problem_env import ProblemGroupBuilder
-
-    from rlcli.models import build_tiny_model
-
-    rows = [
-        {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
-        {"question": "What is 4 * 2?", "answer": "4 * 2 = 8\n#### 8"},
-        {"question": "What is 9 - 1?", "answer": "9 - 1 = 8\n#### 8"},
-    ]
-    import tempfile
-
-    from transformers import AutoTokenizer
-
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(tmp))
-    renderer = renderers.get_renderer("qwen3_instruct", tokenizer)
-    dataset = compat.gsm8k_dataset(rows, 2, 4, renderer, MathEnv.standard_fewshot_prefix())
-    assert len(dataset) == 2
-    batch = dataset.get_batch(0)
-    assert len(batch) == 2 and all(isinstance(b, ProblemGroupBuilder) for b in batch)
-    assert batch[0].num_envs == 4
-
-
 def test_renderer_fallback_for_models_outside_the_cookbook_tables(tmp_path):
     from rlcli.models import build_tiny_model
 

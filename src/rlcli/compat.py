@@ -75,24 +75,6 @@ def resolve_renderer(model: str, requested: str | None):
     return "role_colon", "no known chat template", tokenizer
 
 
-def gsm8k_dataset(rows: list[dict], batch_size: int, group_size: int, renderer, convo_prefix):
-    """The cookbook's ``Gsm8kDataset`` over rows we supply (its constructor loads the hub).
-
-    Relies on the attributes its methods read (``ds``, ``batch_size``, ``group_size``,
-    ``renderer``, ``convo_prefix``); tests/test_compat.py checks they still suffice.
-    """
-    import datasets
-    from tinker_cookbook.recipes.math_rl.math_env import Gsm8kDataset
-
-    class _Gsm8kFromRows(Gsm8kDataset):
-        def __init__(self) -> None:  # deliberately not calling super(): no hub download
-            self.ds = datasets.Dataset.from_list(rows)
-            self.batch_size, self.group_size = batch_size, group_size
-            self.renderer, self.convo_prefix = renderer, convo_prefix
-
-    return _Gsm8kFromRows()
-
-
 # ---- Run hooks: exact SL resume, and progress from inside the recipes ------------------------
 #
 # tinker-cookbook 0.5.7 ``supervised/train.py`` pipelines: with ``submit_ahead`` k (default 1)
