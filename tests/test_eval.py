@@ -24,7 +24,7 @@ KEYS = {
     "pass_rate", "passed", "tokens_generated", "seconds", "tasks_per_s", "tokens_per_s",
     "per_task",
 }  # fmt: skip
-TASK_KEYS = {"id", "prompt", "response", "reward", "passed", "tokens"}
+TASK_KEYS = {"id", "prompt", "response", "reward", "passed", "tokens", "turns"}
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -143,4 +143,5 @@ def test_bad_input_is_one_line(tmp_path, server, tiny_model):
     harbor = tmp_path / "task"
     harbor.mkdir()
     (harbor / "instruction.md").write_text("Fix the bug.\n")
-    fails(*model, "--env", str(harbor), where="train on them with `rlcli train harbor")
+    # a Harbor task folder is an environment of eval rl; a broken one is one line naming it
+    fails(*model, "--env", str(harbor), where=f"task {harbor}: no task.toml")

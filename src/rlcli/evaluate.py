@@ -9,6 +9,12 @@ reward, so training and evaluation grade identically. Every task's request is se
 batches across tasks; each carries a seed derived from ``seed`` and the task's id, and
 temperature 0 is greedy. ``compare`` scores the base model and the checkpoint on the same
 tasks, one after the other (each side's time is its own).
+
+Harbor tasks (a ``multi_turn`` environment, ``envs/harbor.py``) are scored by one episode per
+task instead: the cookbook's bash-tool episode in a Docker container, the policy a cookbook
+``TinkerTokenCompleter`` (a seed per task and turn), the reward the verifier's, exactly as
+``train harbor`` rolls out; at most ``concurrency`` episodes at once, the daemon checked and the
+images built before any sampling, every container removed at the end.
 """
 
 from __future__ import annotations
@@ -24,13 +30,16 @@ from rlcli.errors import RlcliError
 from rlcli.recipes.options import option
 
 Report = Callable[[str, int, int], None]  # (policy label, tasks done, tasks in all)
+CONCURRENCY = 64  # sample requests in flight (the server batches across them)
+HARBOR_CONCURRENCY = 4  # episodes at once: each is a container with its own CPUs and memory
 
 
 @dataclass(kw_only=True)
 class EvalOptions:
     env: str = option(
-        help="Environment: gsm8k (test split), arithmetic, niah[:words=N,depth=D], or a JSONL "
-        'file of {"question", "answer"} pairs (Harbor task folders: not yet; see train harbor).'
+        help="Environment: gsm8k (test split), arithmetic, niah[:words=N,depth=D], a JSONL "
+        'file of {"question", "answer"} pairs, or Harbor tasks (a task folder, a folder of '
+        "them, or name@version from the Harbor cache): one bash-tool episode per task in Docker."
     )
     model: str | None = option(
         None, "Base model (default with --checkpoint: the checkpoint's base model)."
@@ -39,8 +48,12 @@ class EvalOptions:
         None, "Sampler checkpoint to score: tinker://RUN/sampler_weights/NAME (default: the base)."
     )
     compare: bool = option(False, "Score the base model and --checkpoint side by side.")
-    tasks: int = option(100, "Tasks to score (at most the split's size).", min=1)
-    max_new_tokens: int = option(256, "Longest answer, in tokens.", flags=("--max-tokens",), min=1)
+    tasks: int = option(
+        100, "Tasks to score (at most the split's size; Harbor: the first by name).", min=1
+    )
+    max_new_tokens: int = option(
+        256, "Longest answer, in tokens (Harbor: per turn).", flags=("--max-tokens",), min=1
+    )
     temperature: float = option(0.0, "Sampling temperature (0: greedy).", min=0)
     seed: int = option(0, "Seed for task selection and sampling (same seed, same numbers).", min=0)
     pass_threshold: float = option(1.0, "A task passes when its reward is at least this.")
@@ -48,7 +61,22 @@ class EvalOptions:
         None, "Folder with GSM8K train.jsonl/test.jsonl (env: RLCLI_GSM8K_DIR; else the hub)."
     )
     renderer: str | None = option(None, "Chat renderer (default: recommended for the model).")
-    concurrency: int = option(64, "Sample requests in flight at once.", min=1)
+    concurrency: int | None = option(
+        None,
+        f"Sample requests in flight at once (default {CONCURRENCY}); Harbor: episodes (containers)"
+        f" at once (default {HARBOR_CONCURRENCY}).",
+        min=1,
+    )
+    task_filter: str | None = option(
+        None, "Harbor: only tasks whose folder name matches (a name or glob; comma-separated)."
+    )
+    max_turns: int = option(10, "Harbor: most model turns (bash tool calls) per episode.", min=1)
+    command_timeout: int = option(
+        120, "Harbor: seconds one bash command may run before it is killed.", min=1
+    )
+    env_timeout: int = option(
+        3600, "Harbor: seconds an episode's container may live (it is removed after).", min=1
+    )
     base_url: str | None = option(
         None,
         "Tinker server (default: $TINKER_BASE_URL, else the server `rlcli serve` runs here, "
@@ -68,6 +96,7 @@ class TaskResult:
     reward: float
     passed: bool
     tokens: int
+    turns: int  # model turns: 1, or the episode's (Harbor)
 
 
 @dataclass
@@ -122,23 +151,30 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
         from rlcli.recipes.preflight import check_model_arg
 
         check_model_arg(opts.model)
-    env = envs.get(opts.env, gsm8k_dir=opts.gsm8k_dir)
+    env = envs.get(opts.env, gsm8k_dir=opts.gsm8k_dir, harbor=True, task_filter=opts.task_filter)
+    if opts.task_filter and not env.multi_turn:
+        raise RlcliError(f"--task-filter: only for Harbor tasks, not --env {opts.env}")
     problems = env.problems("test", opts.seed, opts.tasks)
     url, source = endpoint.resolve_base_url(opts.base_url)
     target = talk.resolve_target(url, source, opts.model, opts.checkpoint)
-    _check_max_tokens(url, opts.max_new_tokens)
+    context = _check_max_tokens(url, opts.max_new_tokens)
     say(endpoint.describe(url, source))
     renderer, renderer_name, why = _renderer(target.base_model, opts.renderer)
     if not opts.renderer:
         say(f"renderer: {renderer_name} ({why})")
-    tasks = asyncio.run(_tasks(env, problems, renderer))
+    if env.multi_turn:
+        env.prepare(say)  # the daemon and every image, before any sampling
+        tasks = [Task(str(row["id"]), row["question"], None, None, []) for row in problems]
+    else:
+        tasks = asyncio.run(_tasks(env, problems, renderer))
     sides = [("base", None)] if not opts.checkpoint else [("checkpoint", opts.checkpoint)]
     if opts.compare:
         sides.insert(0, ("base", None))
-    results = [
-        asyncio.run(_score(opts, target, label, checkpoint, tasks, renderer, report))
-        for label, checkpoint in sides
-    ]
+    results = []
+    for label, checkpoint in sides:
+        with _episodes(env, opts, target.base_model, renderer_name, context) as play:
+            scored = _score(opts, target, label, checkpoint, tasks, renderer, report, play)
+            results.append(asyncio.run(scored))
     common = {
         "env": opts.env,
         "source": env.source,
@@ -150,6 +186,9 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
         "renderer": renderer_name,
         "base_url": url,
     }
+    if env.multi_turn:
+        keys = ("max_turns", "command_timeout", "env_timeout")
+        common |= {key: getattr(opts, key) for key in keys}
     if not opts.compare:
         return {**common, **asdict(results[0])}
     base, trained = results
@@ -162,14 +201,18 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
     }
 
 
-def _check_max_tokens(url: str, max_tokens: int) -> None:
+def _check_max_tokens(url: str, max_tokens: int) -> int | None:
+    """``max_tokens`` is one the server samples; the served model's context, when it says."""
     from rlcli.recipes.preflight import Server
 
-    top = Server(url).caps.get("max_sample_tokens")
+    caps = Server(url).caps
+    top = caps.get("max_sample_tokens")
     if isinstance(top, int) and max_tokens > top:
         raise RlcliError(
             f"--max-new-tokens {max_tokens}: the server at {url} samples at most {top}"
         )
+    lengths = [m.get("max_context_length") for m in caps.get("supported_models") or []]
+    return next((n for n in lengths if isinstance(n, int) and n > 0), None)
 
 
 def _renderer(model: str, requested: str | None):
@@ -188,6 +231,35 @@ def _renderer(model: str, requested: str | None):
     return renderers.get_renderer(name, tokenizer), name, why
 
 
+def _episodes(env, opts: EvalOptions, model: str, renderer_name: str, context: int | None):
+    """Harbor: ``env.episodes`` (yields the episode function; removes the containers after);
+    else nothing (``None``). ``context``: the model's, where an episode that outgrows it ends
+    (the cookbook's context-overflow reward) instead of a refused sample request."""
+    import contextlib
+
+    if not env.multi_turn:
+        return contextlib.nullcontext(None)
+    return env.episodes(
+        model, renderer_name, max_turns=opts.max_turns, command_timeout=opts.command_timeout,
+        env_timeout=opts.env_timeout, max_tokens=opts.max_new_tokens, context=context,
+    )  # fmt: skip
+
+
+class SeededClient:
+    """A sampling client whose every call carries a seed from (``seed``, call number): the
+    cookbook's ``TinkerTokenCompleter`` sends none, and an episode's turns are its calls, so
+    one per episode makes a task's turns sample the same tokens run to run."""
+
+    def __init__(self, client, seed: int) -> None:
+        self.client, self.seed, self.calls = client, seed, 0
+
+    async def sample_async(self, prompt, num_samples, sampling_params, **kwargs):
+        self.calls += 1
+        seed = task_seed(self.seed, f"turn-{self.calls}")
+        params = sampling_params.model_copy(update={"seed": seed})
+        return await self.client.sample_async(prompt, num_samples, params, **kwargs)
+
+
 async def _tasks(env, problems, renderer) -> list[Task]:
     out = []
     for row in problems:
@@ -197,8 +269,11 @@ async def _tasks(env, problems, renderer) -> list[Task]:
     return out
 
 
-async def _score(opts, target, label, checkpoint, tasks, renderer, report) -> PolicyResult:
-    """Every task sampled once through the SDK (bounded concurrency) and graded by its env."""
+async def _score(
+    opts, target, label, checkpoint, tasks, renderer, report, play=None
+) -> PolicyResult:
+    """Every task sampled once through the SDK (bounded concurrency) and graded by its env; or,
+    with ``play`` (Harbor), one episode per task through the cookbook's rollout."""
     import asyncio
 
     import tinker
@@ -216,8 +291,38 @@ async def _score(opts, target, label, checkpoint, tasks, renderer, report) -> Po
             client = await service.create_sampling_client_async(base_model=target.base_model)
     except tinker.APIStatusError as e:
         raise RlcliError(f"{side.label}: the server refused it: {e}") from None
-    gate = asyncio.Semaphore(opts.concurrency)
+    default = HARBOR_CONCURRENCY if play else CONCURRENCY
+    gate = asyncio.Semaphore(opts.concurrency or default)
     done = 0
+
+    async def episode(task: Task) -> TaskResult:
+        """One Harbor episode; its reward is the verifier's (see ``envs/harbor.py``)."""
+        nonlocal done
+        from tinker_cookbook.completers import TinkerTokenCompleter
+
+        seeded = SeededClient(client, task_seed(opts.seed, task.id))
+        policy = TinkerTokenCompleter(seeded, opts.max_new_tokens, opts.temperature)
+        async with gate:
+            try:
+                played = await play({"id": task.id}, policy)
+            except RlcliError:
+                raise
+            except (tinker.APIStatusError, tinker.APIConnectionError) as e:
+                raise RlcliError(f"task {task.id}: {talk.sample_error(side, e)}") from None
+            except Exception as e:
+                raise RlcliError(f"task {task.id}: the episode failed: {e}") from None
+        done += 1
+        if report:
+            report(label, done, len(tasks))
+        return TaskResult(
+            id=task.id,
+            prompt=task.question,
+            response=played.response,
+            reward=played.reward,
+            passed=played.reward >= opts.pass_threshold,
+            tokens=played.tokens,
+            turns=played.turns,
+        )
 
     async def one(task: Task) -> TaskResult:
         nonlocal done
@@ -247,13 +352,14 @@ async def _score(opts, target, label, checkpoint, tasks, renderer, report) -> Po
             reward=reward,
             passed=reward >= opts.pass_threshold,
             tokens=len(tokens),
+            turns=1,
         )
 
     if report:
         report(label, 0, len(tasks))
     start = time.perf_counter()
     try:
-        per_task = list(await asyncio.gather(*(one(t) for t in tasks)))
+        per_task = list(await asyncio.gather(*((episode if play else one)(t) for t in tasks)))
         seconds = time.perf_counter() - start
     finally:  # stop the session's heartbeat thread now (a library caller lives on)
         close = getattr(getattr(service, "holder", None), "close", None)

@@ -103,6 +103,31 @@ class Progress:
             self.bar.stop()
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM and Ctrl-C end the command where it is, through every ``finally`` (a Harbor
+    evaluation removes its containers there): exit 143 and 130. Once stopping, what asyncio
+    reports about the tasks cut short ("exception was never retrieved", "Event loop is
+    closed" from a subprocess transport collected late) is noise, and is not shown."""
+    import logging
+    import signal
+
+    def stopping(signum: int) -> None:
+        signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C does not cut the cleanup short
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        sys.unraisablehook = lambda unraisable: None
+
+    def on_term(signum, frame):
+        stopping(signum)
+        raise SystemExit(143)
+
+    def on_int(signum, frame):
+        stopping(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_int)
+
+
 def run(opts: EvalOptions) -> None:
     import logging
 
@@ -111,6 +136,7 @@ def run(opts: EvalOptions) -> None:
     # The SDK warns "Retrying request ... because of try_again" each time a long batch outlasts
     # the server's 35 s poll window: normal waiting, which the progress display already shows.
     logging.getLogger("tinker.lib.api_future_impl").setLevel(logging.ERROR)
+    _exit_on_sigterm()
     progress = Progress()
     try:
         result = evaluate(opts, report=progress, info=info)

@@ -6,10 +6,12 @@ cookbook ``ProblemEnv`` that prompts and grades it; training wraps those envs in
 ``ProblemGroupBuilder`` (``recipes/env_builder.py``) and evaluation calls
 ``initial_observation()`` / ``step(tokens)`` on the very same objects, so a reward means the same
 thing in both. Specs: ``gsm8k``, ``arithmetic``, ``niah`` (``niah:words=500,depth=0.5``), or a
-path to a JSONL file of ``{"question", "answer"}``; a Harbor task folder is refused with one
-line pointing at ``rlcli train harbor`` (its episodes are multi-turn, in containers). Nothing
-here imports torch or tinker at import time (``rlcli --help`` stays fast); the cookbook comes in
-with ``make_env``.
+path to a JSONL file of ``{"question", "answer"}``; and, for ``eval rl`` only (``harbor=True``),
+Harbor tasks (a task folder, a folder of them, or ``name@version``): ``envs/harbor.py``, a
+``multi_turn`` environment scored by whole episodes in containers. ``train rl --dataset`` refuses
+Harbor tasks with one line pointing at ``rlcli train harbor``, the command that trains on them
+(with the same episodes and verifier). Nothing here imports torch or tinker at import time
+(``rlcli --help`` stays fast); the cookbook comes in with ``make_env``.
 """
 
 from __future__ import annotations
@@ -21,14 +23,23 @@ from rlcli.errors import RlcliError
 
 NAMES = ("gsm8k", "arithmetic", "niah")
 USAGE = "gsm8k, arithmetic, niah[:words=N,depth=D], or a .jsonl file of {question, answer}"
+HARBOR_USAGE = "; or Harbor tasks: a task folder, a folder of them, or name@version"
 
 __all__ = ["NAMES", "USAGE", "Environment", "Problems", "get"]
 
 
-def get(spec: str, *, flag: str = "--env", gsm8k_dir: str | None = None) -> Environment:
+def get(
+    spec: str,
+    *,
+    flag: str = "--env",
+    gsm8k_dir: str | None = None,
+    harbor: bool = False,
+    task_filter: str | None = None,
+) -> Environment:
     """The environment ``spec`` names; one line naming ``flag`` if it names none.
 
     ``gsm8k_dir``: GSM8K's folder (``--gsm8k-dir``; else ``$RLCLI_GSM8K_DIR``, else the hub).
+    ``harbor``: Harbor tasks are an environment here (``eval rl``), kept to ``task_filter``.
     """
     name, _, params = spec.partition(":")
     if name in NAMES:
@@ -46,24 +57,29 @@ def get(spec: str, *, flag: str = "--env", gsm8k_dir: str | None = None) -> Envi
         from rlcli.envs.niah import Niah
 
         return Niah.from_params(settings, spec, flag)
+    usage = USAGE + (HARBOR_USAGE if harbor else "")
     path = Path(spec).expanduser()
     from rlcli.harbor.tasks import is_dataset_name
 
     if (path.is_dir() and _harbor(path)) or is_dataset_name(spec):
+        if harbor:
+            from rlcli.envs.harbor import HarborTasks
+
+            return HarborTasks(spec, flag, task_filter)
         raise RlcliError(
-            f"{flag} {spec}: Harbor tasks (multi-turn episodes in containers) are not an "
-            f"environment of this command yet; train on them with `rlcli train harbor "
-            f"--dataset {spec}`"
+            f"{flag} {spec}: Harbor tasks (multi-turn episodes in containers) are trained on "
+            f"with `rlcli train harbor --dataset {spec}` (and scored with `rlcli eval rl --env "
+            f"{spec}`)"
         )
     if path.is_dir():
-        raise RlcliError(f"{flag} {spec}: a folder, not an environment; use {USAGE}")
+        raise RlcliError(f"{flag} {spec}: a folder, not an environment; use {usage}")
     if path.is_file():
         from rlcli.envs.jsonl import JsonlFile
 
         return JsonlFile(path, flag)
     if path.suffix == ".jsonl" or "/" in spec:
         raise RlcliError(f"{flag} {spec}: no such file")
-    raise RlcliError(f"{flag} {spec}: unknown environment; use {USAGE}")
+    raise RlcliError(f"{flag} {spec}: unknown environment; use {usage}")
 
 
 def _harbor(folder: Path) -> bool:

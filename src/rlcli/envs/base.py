@@ -16,6 +16,8 @@ from collections.abc import Sequence
 class Environment:
     name: str = ""
     generated: bool = False
+    # Multi-turn (Harbor): a task is an episode run by ``episodes()``, not ``make_env``.
+    multi_turn: bool = False
     # Generated environments have no natural size: one `train rl` pass is this many batches
     # (the cookbook's n_batches for arithmetic).
     train_batches: int = 100
