@@ -179,6 +179,9 @@ def test_harbor_hooks_put_rlcli_verifier_in_and_share_the_tokenizer_safely(monke
     monkeypatch.setattr(harbor_env, "get_renderer", harbor_env.get_renderer)
     compat.install_harbor_hooks()
     assert harbor_env.HarborReward is Verifier
+    installed = harbor_env.get_renderer
+    compat.install_harbor_hooks()  # again (each `eval rl` on Harbor tasks installs them)
+    assert harbor_env.get_renderer is installed
     tokenizer = get_tokenizer(str(tiny_model))
     renderer = harbor_env.get_renderer("qwen3_instruct", tokenizer)
     assert isinstance(renderer.tokenizer, compat._LockedTokenizer)

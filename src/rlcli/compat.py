@@ -430,7 +430,7 @@ def install_cancel_hook(cancel_requested, report) -> None:
     wrap(train_on_policy, sl=False)
 
 
-# ---- Harbor: the cookbook's recipes/harbor_rl with rlcli's sandbox (train harbor) ------------
+# ---- Harbor: the cookbook's recipes/harbor_rl with rlcli's sandbox (train harbor, eval rl) ---
 #
 # tinker-cookbook 0.5.7's ``recipes/harbor_rl/harbor_env.py`` imports
 # ``tinker_cookbook.sandbox.modal_sandbox`` at module top, which raises ImportError without the
@@ -501,8 +501,9 @@ def import_harbor_env():
 
 
 def install_harbor_hooks() -> None:
-    """In the recipe child of ``train harbor``: rlcli's verifier as the recipe's reward, and
-    renderers whose shared tokenizer is safe across threads (see above)."""
+    """In the recipe child of ``train harbor`` and in ``eval rl`` on Harbor tasks: rlcli's
+    verifier as the recipe's reward, and renderers whose shared tokenizer is safe across
+    threads (see above). Installing twice changes nothing."""
     import threading
 
     from rlcli.harbor.verifier import Verifier
@@ -510,6 +511,8 @@ def install_harbor_hooks() -> None:
     harbor_env = import_harbor_env()
     harbor_env.HarborReward = Verifier
     original = harbor_env.get_renderer
+    if getattr(original, "rlcli_locked", False):
+        return
     locks: dict[int, threading.RLock] = {}
 
     def get_renderer(name, tokenizer, *args, **kwargs):
@@ -518,4 +521,5 @@ def install_harbor_hooks() -> None:
             tokenizer = _LockedTokenizer(tokenizer, lock)
         return original(name, tokenizer, *args, **kwargs)
 
+    get_renderer.rlcli_locked = True  # type: ignore[attr-defined]
     harbor_env.get_renderer = get_renderer
