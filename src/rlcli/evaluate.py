@@ -31,7 +31,7 @@ from rlcli.recipes.options import option
 
 Report = Callable[[str, int, int], None]  # (policy label, tasks done, tasks in all)
 CONCURRENCY = 64  # sample requests in flight (the server batches across them)
-HARBOR_CONCURRENCY = 4  # episodes at once: each is a container with its own CPUs and memory
+HARBOR_CONCURRENCY = 8  # episodes at once: each is a container with its own CPUs and memory
 
 
 @dataclass(kw_only=True)
