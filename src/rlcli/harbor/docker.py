@@ -203,10 +203,12 @@ atexit.register(remove_live_containers)
 
 
 async def _exec(
-    argv: list[str], stdin: bytes | None, timeout: float, cap: int
+    argv: list[str], stdin: bytes | None, timeout: float, cap: int, finish_on_cancel: float = 0
 ) -> tuple[int | None, bytes, bytes, bool, bool]:
     """(exit code or None on timeout, stdout, stderr, truncated, timed out) of ``docker ARGV``,
-    each stream capped at ``cap`` bytes (the rest is read and dropped)."""
+    each stream capped at ``cap`` bytes (the rest is read and dropped). Cancelled (Ctrl-C),
+    the client is given ``finish_on_cancel`` seconds to end (what it was making exists by
+    then, so it can be removed), then killed."""
     proc = await asyncio.create_subprocess_exec(
         "docker",
         *argv,
@@ -237,6 +239,12 @@ async def _exec(
     gathered = asyncio.gather(read(proc.stdout), read(proc.stderr), feed(), proc.wait())
     try:
         out, err, _, code = await asyncio.wait_for(gathered, timeout)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(proc.wait(), finish_on_cancel)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        raise
     except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
@@ -273,7 +281,11 @@ class DockerSandbox:
         if not task.allow_internet:
             argv += ["--network", "none"]
         argv += [image, str(int(lifetime_s))]
-        code, out, err, _, timed_out = await _exec(argv, None, 120, 4096)
+        try:
+            code, out, err, _, timed_out = await _exec(argv, None, 120, 4096, finish_on_cancel=30)
+        except asyncio.CancelledError:  # stopped while starting: what the client made goes
+            await _exec(["rm", "-f", "-v", name], None, 60, 4096)
+            raise
         if code != 0 or timed_out:
             # A container may exist even when the client gave up: remove it by name.
             await _exec(["rm", "-f", name], None, 60, 4096)
