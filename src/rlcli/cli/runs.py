@@ -28,7 +28,7 @@ def list_(as_json: bool = JSON) -> None:
     if as_json:
         emit(states, as_json=True)
     elif not states:
-        info(f"no runs yet in {runs.runs_root()} (rlcli train sl|rl|opsd starts one)")
+        info(f"no runs yet in {runs.runs_root()} (rlcli train sl|rl|opsd|harbor starts one)")
     else:
         typer.echo(_plain_table([runs.row(s) for s in states]))
 
