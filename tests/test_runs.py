@@ -70,7 +70,8 @@ def runs(tmp_path_factory, server, tiny_model, chats, env, home) -> dict[str, Pa
     """Four runs made at once: finished (in $RLCLI_HOME/runs), failed, interrupted (Ctrl-C),
     killed (SIGKILL of rlcli); the last three under a --log-path outside the home."""
     outside = tmp_path_factory.mktemp("elsewhere")
-    long = ("--batch-size", "2", "--epochs", "4", "--save-every", "50")
+    # 2560 steps: far from done when the signals come, however fast the machine is
+    long = ("--batch-size", "2", "--epochs", "40", "--save-every", "50")
     procs = {
         "finished": subprocess.Popen(
             train_argv(server, tiny_model, chats, None, "--batch-size", "8", "--max-steps", "3"),
@@ -119,7 +120,7 @@ def test_list_show_and_plot_real_runs(runs, env, tmp_path):
     assert by["killed"]["status"] == "interrupted"  # recorded running, lock free
     assert "SIGKILL" in by["killed"]["error"]
     for name in ("failed", "interrupted", "killed"):
-        assert by[name]["steps_done"] >= 2 and by[name]["total_steps"] == 256
+        assert by[name]["steps_done"] >= 2 and by[name]["total_steps"] == 2560
     order = [r["id"] for r in as_json(rlcli(env, "runs", "list", "--json"))]
     started = [listed[i]["started"] for i in order]
     assert started == sorted(started, reverse=True)  # newest first
@@ -169,7 +170,7 @@ def test_detach_follow_cancel_and_resume(server, tiny_model, chats, env, tmp_pat
 
     run_dir = tmp_path / "detached"
     started = subprocess.run(
-        [*train_argv(server, tiny_model, "-", run_dir, "--batch-size", "2", "--epochs", "4"),
+        [*train_argv(server, tiny_model, "-", run_dir, "--batch-size", "2", "--epochs", "40"),
          "--detach", "--json"],
         input=chats.read_text(), env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
