@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rlcli.errors import RlcliError
 from rlcli.recipes.options import PolicyOptions, TrainOptions, option, resume_command, retune, saved
-from rlcli.recipes.rl import parse_loss_config, policy_config, policy_summary, seed_sampling
+from rlcli.recipes.rl import check_policy_flags, policy_config, policy_summary, seed_sampling
 from rlcli.recipes.runner import default_run_dir
 
 GRADER_TIMEOUT_S = 60  # a task's [verifier] timeout_sec raises it
@@ -112,21 +112,8 @@ def prepare(opts: HarborOptions, stdin=None, dry_run: bool = False) -> tuple[Har
     """Check flags, model, renderer and every task folder, and count the steps; no server, no
     sandbox, no writes."""
     from rlcli.compat import resolve_renderer
-    from rlcli.recipes import loss_guard
-    from rlcli.recipes.preflight import check_model_arg, check_renderer
 
-    config = parse_loss_config(opts.loss_config)
-    loss_guard.check_backend_hint(opts.backend, opts.loss)
-    for flag, path in (
-        ("--init-checkpoint", opts.init_checkpoint),
-        ("--kl-reference", opts.kl_reference),
-    ):
-        if path and not path.startswith("tinker://"):
-            raise RlcliError(f"{flag} {path}: expected a tinker:// path")
-    if opts.kl_reference and not opts.kl_penalty_coef:
-        raise RlcliError("--kl-reference: set --kl-penalty-coef too (the penalty is off at 0)")
-    check_model_arg(opts.model)
-    check_renderer(opts.renderer)
+    config = check_policy_flags(opts)
     if opts.sandbox == "modal":
         check_modal()
     folder, source, found = load_tasks(opts.dataset, opts.task_filter, opts.max_tasks)

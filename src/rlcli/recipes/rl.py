@@ -87,14 +87,10 @@ def parse_loss_config(raw: str | None) -> dict | None:
     return value
 
 
-def run_dir_of(opts: RLOptions) -> Path:
-    return Path(opts.log_path).expanduser() if opts.log_path else default_run_dir("rl")
-
-
-def prepare(opts: RLOptions, stdin=None, dry_run: bool = False) -> tuple[RLPlan, None]:
-    """Check flags, model, renderer and data, and count the steps; no server, no writes."""
-    from rlcli import envs
-    from rlcli.compat import resolve_renderer
+def check_policy_flags(opts: PolicyOptions) -> dict | None:
+    """The checks every RL-style command (rl, harbor) makes before it plans: the loss and its
+    config, the backend hint, the checkpoint paths, the model folder and the renderer name.
+    Returns the parsed loss config."""
     from rlcli.recipes import loss_guard
     from rlcli.recipes.preflight import check_model_arg, check_renderer
 
@@ -110,6 +106,19 @@ def prepare(opts: RLOptions, stdin=None, dry_run: bool = False) -> tuple[RLPlan,
         raise RlcliError("--kl-reference: set --kl-penalty-coef too (the penalty is off at 0)")
     check_model_arg(opts.model)
     check_renderer(opts.renderer)
+    return config
+
+
+def run_dir_of(opts: RLOptions) -> Path:
+    return Path(opts.log_path).expanduser() if opts.log_path else default_run_dir("rl")
+
+
+def prepare(opts: RLOptions, stdin=None, dry_run: bool = False) -> tuple[RLPlan, None]:
+    """Check flags, model, renderer and data, and count the steps; no server, no writes."""
+    from rlcli import envs
+    from rlcli.compat import resolve_renderer
+
+    config = check_policy_flags(opts)
     env = envs.get(opts.dataset, flag="--dataset", gsm8k_dir=opts.gsm8k_dir)
     if env.generated:  # one pass is the environment's own number of batches
         train_rows, test_rows = env.train_batches * opts.batch_size, opts.eval_size
