@@ -18,6 +18,8 @@ class TorchServerOptions:
     port: int = 8000
     device: str = "auto"
     dtype: str = "auto"
+    grad_checkpointing: bool = True
+    microbatch_tokens: int = 4096
     max_lora_rank: int = 64
     checkpoints_dir: str = ""
     api_key: str | None = None
@@ -47,6 +49,8 @@ def server_command(options: TorchServerOptions) -> list[str]:
         "--port", str(options.port),
         "--device", options.device,
         "--dtype", options.dtype,
+        "--grad-checkpointing" if options.grad_checkpointing else "--no-grad-checkpointing",
+        "--microbatch-tokens", str(options.microbatch_tokens),
         "--max-lora-rank", str(options.max_lora_rank),
         "--session-timeout", str(options.session_timeout),
         "--max-sample-tokens", str(options.max_sample_tokens),

@@ -36,6 +36,14 @@ def start(
     port: int = typer.Option(8000, help="Port to listen on."),
     device: str = typer.Option("auto", help="auto | cpu | cuda."),
     dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 (auto: bf16 on GPU)."),
+    grad_checkpointing: bool = typer.Option(
+        True,
+        "--grad-checkpointing/--no-grad-checkpointing",
+        help="Recompute activations in backward: much less memory for a little more time.",
+    ),
+    microbatch_tokens: int = typer.Option(
+        4096, min=1, help="Padded tokens per forward/backward pass (bounds activation memory)."
+    ),
     max_lora_rank: int = typer.Option(64, help="Largest LoRA rank a client may ask for."),
     checkpoints_dir: Path = typer.Option(
         None, help="Where checkpoints live (default $RLCLI_HOME/checkpoints)."
@@ -78,6 +86,8 @@ def start(
         port=port,
         device=device,
         dtype=dtype,
+        grad_checkpointing=grad_checkpointing,
+        microbatch_tokens=microbatch_tokens,
         max_lora_rank=max_lora_rank,
         checkpoints_dir=str((checkpoints_dir or home / "checkpoints").expanduser().resolve()),
         session_timeout=session_timeout,

@@ -15,6 +15,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--microbatch-tokens", type=int, default=4096)
     parser.add_argument("--max-lora-rank", type=int, default=64)
     parser.add_argument("--checkpoints-dir", default="")
     parser.add_argument("--api-key", default=os.environ.get("RLCLI_SERVER_API_KEY"))
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
         base_model=resolve_model_name(args.base_model),
         device=args.device,
         dtype=args.dtype,
+        grad_checkpointing=args.grad_checkpointing,
+        microbatch_tokens=args.microbatch_tokens,
         max_lora_rank=args.max_lora_rank,
         checkpoints_dir=args.checkpoints_dir,
         api_key=args.api_key,

@@ -96,6 +96,8 @@ class Engine:
         *,
         device: str = "auto",
         dtype: str = "auto",
+        grad_checkpointing: bool = True,
+        microbatch_tokens: int = MICROBATCH_TOKENS,
         max_lora_rank: int = 64,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -104,6 +106,8 @@ class Engine:
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.max_lora_rank = max_lora_rank
+        self.grad_checkpointing = grad_checkpointing
+        self.microbatch_tokens = microbatch_tokens
         config = AutoConfig.from_pretrained(base_model)
         self.model = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
         self.model.to(self.device)
@@ -247,7 +251,7 @@ class Engine:
         metric_sums: dict[str, float] = {}
         staged = contextlib.nullcontext() if forward_only else finite.staged_gradients(params)
         with staged, torch.set_grad_enabled(not forward_only):
-            for idx in _microbatches([len(d.tokens) for d in data], MICROBATCH_TOKENS):
+            for idx in _microbatches([len(d.tokens) for d in data], self.microbatch_tokens):
                 batch = [data[i] for i in idx]
                 logp, mask, inputs = self._target_logprobs(module, batch, spec.inputs)
                 result = spec.fn(logp, inputs, mask, config)

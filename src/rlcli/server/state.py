@@ -34,6 +34,8 @@ class Settings:
     base_model: str
     device: str = "auto"
     dtype: str = "auto"
+    grad_checkpointing: bool = True  # recompute activations in backward (memory for time)
+    microbatch_tokens: int = 4096  # padded tokens per forward/backward pass
     max_lora_rank: int = 64
     checkpoints_dir: str = ""
     api_key: str | None = None
@@ -46,6 +48,8 @@ class Settings:
             "base_model": self.base_model,
             "device": self.device,
             "dtype": self.dtype,
+            "grad_checkpointing": self.grad_checkpointing,
+            "microbatch_tokens": self.microbatch_tokens,
             "max_lora_rank": self.max_lora_rank,
             "threads": self.threads,
         }
