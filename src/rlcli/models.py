@@ -1,16 +1,21 @@
 """Resolving base models, and the tiny offline test model.
 
-A base model is a hub id (``Qwen/Qwen3-4B-Instruct-2507``) or a local folder written by
-``save_pretrained``. The tiny model is a real Qwen3-architecture checkpoint of a few hundred
+A base model is a hub id (``Qwen/Qwen3-4B-Instruct-2507``), a local folder written by
+``save_pretrained``, or a ``.gguf`` file, which is converted once into a cached folder under
+``$RLCLI_HOME/models/`` (named by the file's content hash) that every part of the stack then
+loads as a folder. The tiny model is a real Qwen3-architecture checkpoint of a few hundred
 thousand parameters with a byte-level BPE tokenizer trained here, so that tests, demos and
 smoke tests run on any machine without touching the model hub.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import shutil
+from functools import cache
 from pathlib import Path
 
 CHATML_TEMPLATE = (
@@ -27,11 +32,87 @@ def is_local_model(name: str) -> bool:
     return (Path(name).expanduser() / "config.json").is_file()
 
 
+def is_gguf_file(name: str) -> bool:
+    """A path to an existing file whose name ends in ``.gguf``."""
+    path = Path(name).expanduser()
+    return path.suffix.lower() == ".gguf" and path.is_file()
+
+
 def resolve_model_name(name: str) -> str:
-    """Absolute path for local folders (so every process agrees on it); hub ids unchanged."""
+    """Absolute path for local folders (so every process agrees on it); for a ``.gguf`` file,
+    the folder it converts to (without converting: see ``local_model``); hub ids unchanged."""
+    if is_gguf_file(name):
+        return str(gguf_folder(name))
     if is_local_model(name):
         return str(Path(name).expanduser().resolve())
     return name
+
+
+def local_model(name: str, report=None) -> str:
+    """``resolve_model_name``, converting a ``.gguf`` file into its cached folder first when
+    that folder is not there yet (``report`` hears about the conversion)."""
+    if is_gguf_file(name):
+        return str(convert_gguf_cached(name, report))
+    return resolve_model_name(name)
+
+
+@cache
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def gguf_folder(gguf_file: str | os.PathLike[str]) -> Path:
+    """``$RLCLI_HOME/models/<file stem>-<content hash>``: the same file gives the same folder
+    wherever it lies, and a changed file a new one."""
+    from rlcli.home import rlcli_home
+
+    source = Path(gguf_file).expanduser().resolve()
+    stat = source.stat()
+    digest = _sha256(str(source), stat.st_size, stat.st_mtime_ns)
+    return rlcli_home() / "models" / f"{source.stem}-{digest[:16]}"
+
+
+def convert_gguf_cached(gguf_file: str | os.PathLike[str], report=None) -> Path:
+    """The converted folder of ``gguf_file``, converting it first if needed. The conversion
+    writes a temporary folder and renames it into place, so a killed conversion never leaves a
+    half-written model where the next run would load it."""
+    from rlcli.errors import RlcliError
+
+    source = Path(gguf_file).expanduser().resolve()
+    if not source.is_file():
+        raise RlcliError(f"{gguf_file}: no such GGUF file")
+    target = gguf_folder(source)
+    if is_local_model(str(target)):
+        return target
+    try:
+        import gguf  # noqa: F401  (transformers reads GGUF through it)
+    except ImportError:
+        raise RlcliError(
+            f"{gguf_file}: reading a .gguf needs the gguf package: pip install 'rlcli[gguf]'"
+        ) from None
+    if report:
+        report(f"converting {source.name} into {target} (once; later runs reuse it)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        import_gguf(source, tmp)
+        (tmp / "rlcli_gguf.json").write_text(
+            json.dumps({"source": str(source), "sha256_prefix": target.name.rsplit("-", 1)[-1]})
+            + "\n"
+        )
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished the same conversion first
+            if not is_local_model(str(target)):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def _training_corpus(seed: int) -> list[str]:

@@ -98,6 +98,10 @@ def resolve_target(
     server = Server(base_url)
     if max_tokens is not None:
         server.check_max_tokens(max_tokens)
+    if model:  # a .gguf becomes the folder the server loaded from it
+        from rlcli.models import local_model
+
+        model = local_model(model, report=None)
     if not checkpoint:
         server.check_model(model)
         return Target(base_url, model)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rlcli.backends import process
 from rlcli.errors import RlcliError
-from rlcli.models import is_local_model, resolve_model_name
+from rlcli.models import is_gguf_file, is_local_model, local_model, resolve_model_name
 
 
 @dataclass
@@ -27,11 +27,16 @@ class TorchServerOptions:
     max_sample_tokens: int = 16384
 
 
-def check_base_model(name: str) -> str:
-    """A local model folder (resolved to an absolute path) or something shaped like a hub id."""
+def check_base_model(name: str, report=None) -> str:
+    """A local model folder (resolved to an absolute path), a ``.gguf`` file (converted once
+    into its cached folder, which is returned) or something shaped like a hub id."""
+    if is_gguf_file(name):
+        return local_model(name, report)
     if is_local_model(name):
         return resolve_model_name(name)
     path = Path(name).expanduser()
+    if path.suffix.lower() == ".gguf":
+        raise RlcliError(f"--base-model {name}: no such GGUF file")
     if path.exists():
         raise RlcliError(f"--base-model {name}: {path} has no config.json (not a model folder)")
     if name.startswith((".", "/", "~")) or name.count("/") != 1:

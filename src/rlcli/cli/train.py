@@ -32,6 +32,11 @@ def _train(recipe, opts) -> None:
 
     if opts.wandb_project or opts.wandb_name:
         _require_wandb(opts)
+    if opts.model:  # a .gguf becomes the folder it converts to (what the server serves)
+        from rlcli.models import local_model
+
+        preflight.check_model_arg(opts.model)
+        opts.model = local_model(opts.model, report=info)
     stdin = sys.stdin if getattr(opts, "dataset", None) == "-" else None
     plan, data = recipe.prepare(opts, stdin=stdin, dry_run=opts.dry_run)
     preflight.check_run_dir(Path(plan.run_dir))

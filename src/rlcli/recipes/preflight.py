@@ -24,8 +24,13 @@ _PATH_PREFIXES = ("/", "./", "../", "~")
 
 
 def check_model_arg(model: str) -> None:
-    """A local model folder must exist and hold a model; hub ids pass (the server decides)."""
+    """A local model folder must exist and hold a model; a ``.gguf`` file passes (it is
+    converted into a folder, see ``models.local_model``); hub ids pass (the server decides)."""
     path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise RlcliError(f"--model {model}: no such GGUF file")
+        return
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise RlcliError(f"--model {model}: no config.json in that folder")
