@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rlcli.models import end_of_turn_id
-from rlcli.server import checkpoints, finite, losses
+from rlcli.server import checkpoints, finite, logprobs, losses
 from rlcli.server.errors import UserError
 from rlcli.server.samplers import SamplerCache
 from rlcli.server.sampling import SampleJob, SampleOutput, generate
@@ -31,7 +31,8 @@ log = logging.getLogger("rlcli.engine")
 
 LORA_ALPHA = 32  # fixed, as on Tinker: the learning rate does not have to move with the rank
 # Padded tokens per forward pass: bounds activation memory (a 30-layer 135M model holds
-# about 1.4 MB of activations per token for the backward pass).
+# about 1.4 MB of activations per token for the backward pass without gradient checkpointing,
+# about 0.1 MB with it).
 MICROBATCH_TOKENS = 4096
 MAX_LOADED_SAMPLERS = 8  # sampler snapshots kept as live peft adapters (LRU)
 # In-memory sampler snapshots kept for reloading (oldest dropped). RL makes one per step and
@@ -60,10 +61,26 @@ def pick_device(device: str) -> torch.device:
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The base weights' dtype, which is the compute dtype of training and sampling alike.
+
+    ``auto`` is bfloat16 where the hardware computes in it (a CUDA device with bf16, a CPU with
+    AVX512-BF16 or AMX) and float32 elsewhere: on an AVX2-only CPU bf16 matmuls are emulated
+    and ~6x slower than float32. LoRA weights and optimizer state stay float32 (peft's
+    ``autocast_adapter_dtype``)."""
     if dtype == "auto":
-        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if cuda_bf16 else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 arithmetic (Linux ``/proc/cpuinfo`` flags; elsewhere no)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(text.split()))
 
 
 def lora_layer_groups(model: torch.nn.Module) -> dict[str, set[str]]:
@@ -106,14 +123,16 @@ class Engine:
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.max_lora_rank = max_lora_rank
-        self.grad_checkpointing = grad_checkpointing
         self.microbatch_tokens = microbatch_tokens
         config = AutoConfig.from_pretrained(base_model)
         self.model = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
         self.model.to(self.device)
-        self.model.eval()  # no dropout: logprobs must match between forward and sampling
         self.model.requires_grad_(False)
+        self._checkpoint_layers = self._enable_checkpointing() if grad_checkpointing else []
+        self.grad_checkpointing = bool(self._checkpoint_layers)
+        self.model.eval()  # no dropout: logprobs must match between forward and sampling
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self._split_head = self._head_matches_model()
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 0) or 32768
         self.layer_groups = lora_layer_groups(self.model)  # before peft wraps any layer
         self.peft = None  # the PeftModel, once the first adapter exists
@@ -132,6 +151,60 @@ class Engine:
         self.samplers = SamplerCache(
             self._add_sampler_adapter, self._delete_adapter, MAX_SNAPSHOTS, MAX_LOADED_SAMPLERS
         )
+
+    def _enable_checkpointing(self) -> list[torch.nn.Module]:
+        """Turn on transformers' per-layer checkpointing (non-reentrant: correct with frozen
+        base weights and LoRA, no inputs that require grad needed); the layers it covers.
+
+        transformers checkpoints a layer only while that layer is in training mode, and the
+        model stays in eval mode (no dropout), so ``_checkpointing`` flips just those layers'
+        own flag around a training forward; sampling never sees it (it keeps its KV cache)."""
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        try:
+            self.model.gradient_checkpointing_enable({"use_reentrant": False})
+        except ValueError as e:  # an architecture transformers cannot checkpoint
+            log.warning("gradient checkpointing is off: %s", e)
+            return []
+        return [m for m in self.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+    @contextlib.contextmanager
+    def _checkpointing(self):
+        layers = self._checkpoint_layers if torch.is_grad_enabled() else []
+        for layer in layers:
+            layer.training = True
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.training = False
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states -> logits, as the model's own forward computes them (the output
+        layer, with its LoRA if one is active, in the model's dtype; then a logit soft-cap if
+        the architecture has one)."""
+        logits = self.model.get_output_embeddings()(hidden)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def _hidden_states(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        decoder = self.model.get_decoder()
+        out = decoder(input_ids=tokens, attention_mask=mask.long(), use_cache=False)
+        return out.last_hidden_state
+
+    @torch.no_grad()
+    def _head_matches_model(self) -> bool:
+        """Whether decoder + ``head_logits`` give the model's logits (true of Llama/Qwen/
+        Mistral/Gemma-style models); else training takes the logits from the whole model."""
+        tokens = torch.tensor([[1, 2, 3]], device=self.device) % self.vocab_size
+        mask = torch.ones_like(tokens, dtype=torch.bool)
+        try:
+            split = self.head_logits(self._hidden_states(tokens, mask)).float()
+        except Exception as e:  # noqa: BLE001 - any failure means: use the whole model
+            log.warning("logprobs from the whole model's logits (%s)", e)
+            return False
+        whole = self.model(input_ids=tokens, attention_mask=mask.long()).logits.float()
+        return split.shape == whole.shape and bool(torch.allclose(split, whole, atol=1e-4))
 
     # ---- adapters -----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -282,7 +355,11 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Right-padded batch -> log p(target) [B, T] (or [B, T, K] for K targets per
         position), validity mask [B, T], loss inputs shaped like the targets. An optional
-        input a datum left out gets its default (``losses.default_input``)."""
+        input a datum left out gets its default (``losses.default_input``).
+
+        Only the valid positions' logprobs are computed, from the final hidden states through
+        the output layer a chunk at a time (``logprobs.py``): no [tokens, vocab] float32
+        logits for the whole micro-batch; the decoder layers are checkpointed if enabled."""
         width = max(len(d.tokens) for d in batch)
         k_shape = batch[0].inputs["target_tokens"].shape[1:]  # () or (K,)
         tokens = torch.zeros(len(batch), width, dtype=torch.long)
@@ -303,14 +380,16 @@ class Engine:
         dev = self.device
         tokens, mask, targets = tokens.to(dev), mask.to(dev), targets.to(dev)
         inputs = {k: v.to(dev) for k, v in inputs.items()}
-        logits = module(input_ids=tokens, attention_mask=mask.long()).logits.float()
-        lse = logits.logsumexp(-1, keepdim=True)
-        if targets.dim() == 2:
-            logp = (logits.gather(-1, targets.unsqueeze(-1)) - lse).squeeze(-1)
-            return logp * mask, mask, inputs
-        flat = targets.flatten(2)  # [B, T, K]
-        logp = logits.gather(-1, flat) - lse
-        return logp * mask.unsqueeze(-1), mask, inputs
+        targets = targets.flatten(2) if targets.dim() > 2 else targets
+        with self._checkpointing():
+            if self._split_head:
+                hidden, head = self._hidden_states(tokens, mask), self.head_logits
+            else:
+                hidden = module(input_ids=tokens, attention_mask=mask.long()).logits
+                head = _identity
+            picked = logprobs.target_logprobs(hidden[mask], head, targets[mask])
+        logp = torch.zeros(targets.shape, dtype=torch.float32, device=dev)
+        return logp.index_put((mask,), picked), mask, inputs
 
     def optim_step(
         self,
@@ -485,6 +564,10 @@ class _BaseOnly(torch.nn.Module):
     def forward(self, **kwargs):
         with self.peft_model.disable_adapter():
             return self.peft_model(**kwargs)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _row_chunks(jobs: list[SampleJob], indices: list[int]) -> list[list[int]]:

@@ -1,0 +1,138 @@
+"""Chunked logprobs, gradient checkpointing and bf16 against the plain float32 path.
+
+The plain path is what the engine did before: the whole model's logits in float32, one
+``log_softmax``, one backward. Chunking and checkpointing only reorder float32 arithmetic, so
+they match it to rounding; bf16 weights match within the tolerance in docs/architecture.md
+("Precision"): BF16_LOGPROB_ATOL on logprobs, gradients within BF16_GRAD_COSINE of direction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlcli.server import logprobs
+from rlcli.server.engine import Engine
+from rlcli.server.wire import DatumArrays
+
+BF16_LOGPROB_ATOL = 0.1  # max |bf16 - fp32| per token on the tiny model (documented bound)
+BF16_LOGPROB_MEAN_ATOL = 0.02  # mean |bf16 - fp32| per token
+BF16_GRAD_COSINE = 0.99  # cosine similarity of the whole LoRA gradient
+
+
+def _data(vocab: int, k: int | None = None) -> list[DatumArrays]:
+    rng = np.random.default_rng(0)
+    out = []
+    for n in (37, 20, 9):
+        tokens = rng.integers(0, vocab, n)
+        shape = (n,) if k is None else (n, k)
+        targets = rng.integers(0, vocab, shape)
+        weights = rng.random(shape).astype(np.float32)
+        out.append(DatumArrays(tokens, {"target_tokens": targets, "weights": weights}))
+    return out
+
+
+def _engine(model, **kw) -> Engine:
+    engine = Engine(str(model), device="cpu", **kw)
+    engine.create_adapter("student", rank=4, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # LoRA B starts at 0 (no gradient reaches A): make both nonzero
+        for p in engine.adapters["student"].params:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return engine
+
+
+def _run(engine: Engine, data) -> tuple[np.ndarray, torch.Tensor]:
+    outputs, _ = engine.forward_backward("student", data, "cross_entropy")
+    params = engine.adapters["student"].params
+    grad = torch.cat([p.grad.flatten() for p in params]).clone()
+    engine.adapters["student"].optimizer.zero_grad(set_to_none=True)
+    return np.concatenate([o["logprobs"].ravel() for o in outputs]), grad
+
+
+def _plain(engine: Engine, data) -> tuple[np.ndarray, torch.Tensor]:
+    """The unchunked, uncheckpointed float32 path, written out in the test."""
+    engine._set_adapter("student")
+    logps, total = [], 0.0
+    for d in data:
+        tokens = torch.from_numpy(d.tokens)[None]
+        targets = torch.from_numpy(d.inputs["target_tokens"])
+        weights = torch.from_numpy(d.inputs["weights"])
+        logits = engine.peft(input_ids=tokens).logits.float()[0].log_softmax(-1)
+        t = targets if targets.dim() == 2 else targets[:, None]
+        logp = logits.gather(-1, t).reshape(targets.shape)
+        total = total - (logp * weights).sum()
+        logps.append(logp.detach().numpy().ravel())
+    total.backward()
+    params = engine.adapters["student"].params
+    grad = torch.cat([p.grad.flatten() for p in params]).clone()
+    engine.adapters["student"].optimizer.zero_grad(set_to_none=True)
+    return np.concatenate(logps), grad
+
+
+def _relative_error(grad: torch.Tensor, ref: torch.Tensor) -> float:
+    """|grad - ref| / |ref| over the whole LoRA gradient (elementwise, sums in another order
+    differ by rounding on the tiny entries)."""
+    return float((grad - ref).norm() / ref.norm())
+
+
+@pytest.fixture(scope="module")
+def fp32(tiny_model):
+    return _engine(tiny_model, dtype="float32", grad_checkpointing=False)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(logprobs, "CHUNK_TOKENS", 16)  # several chunks per micro-batch
+
+
+@pytest.mark.parametrize("k", [None, 3], ids=["targets", "top3_targets"])
+def test_chunked_logprobs_match_the_plain_path(fp32, small_chunks, k):
+    data = _data(fp32.vocab_size, k)
+    logp, grad = _run(fp32, data)
+    ref_logp, ref_grad = _plain(fp32, data)
+    np.testing.assert_allclose(logp, ref_logp, atol=1e-5)
+    assert _relative_error(grad, ref_grad) < 1e-5
+
+
+def test_checkpointing_recomputes_layers_and_matches(tiny_model, fp32, small_chunks):
+    engine = _engine(tiny_model, dtype="float32", grad_checkpointing=True)
+    assert engine.grad_checkpointing
+    # A layer's recomputation stops once it has what the backward needs, so count the
+    # attention's calls (the layer's own forward hook would fire once).
+    layer = engine._checkpoint_layers[0].self_attn
+    calls = []
+    hook = layer.register_forward_hook(lambda *_: calls.append(1))
+    data = _data(engine.vocab_size)
+    logp, grad = _run(engine, data)
+    hook.remove()
+    assert len(calls) == 2  # the forward, and its recomputation in the backward
+    assert not any(m.training for m in engine._checkpoint_layers)  # sampling keeps its cache
+    ref_logp, ref_grad = _plain(fp32, data)
+    np.testing.assert_allclose(logp, ref_logp, atol=1e-5)
+    assert _relative_error(grad, ref_grad) < 1e-5
+    with torch.no_grad():  # forward-only passes run the layers once
+        calls.clear()
+        hook = layer.register_forward_hook(lambda *_: calls.append(1))
+        engine.forward_backward("student", data, "cross_entropy", forward_only=True)
+        hook.remove()
+    assert len(calls) == 1
+
+
+def test_bf16_weights_match_fp32_within_tolerance_and_keep_fp32_lora(tiny_model, fp32):
+    engine = _engine(tiny_model, dtype="bfloat16")
+    assert engine.model.get_output_embeddings().weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in engine.adapters["student"].params)
+    data = _data(engine.vocab_size)
+    logp, grad = _run(engine, data)
+    ref_logp, ref_grad = _plain(fp32, data)
+    err = np.abs(logp - ref_logp)
+    assert err.max() <= BF16_LOGPROB_ATOL, err.max()
+    assert err.mean() <= BF16_LOGPROB_MEAN_ATOL, err.mean()
+    cosine = torch.nn.functional.cosine_similarity(grad, ref_grad, dim=0)
+    assert cosine >= BF16_GRAD_COSINE, cosine
+    engine.forward_backward("student", data, "cross_entropy")
+    engine.optim_step("student", learning_rate=1e-3)
+    state = engine.adapters["student"].optimizer.state
+    assert state and all(s["exp_avg"].dtype == torch.float32 for s in state.values())
