@@ -52,6 +52,9 @@ def start_server(home: Path, model: Path, **options):
     from rlcli.demo import free_port
 
     options.setdefault("checkpoints_dir", str(home / "checkpoints"))
+    # Tests compare the server's logprobs with in-process float32 ones at tight tolerances;
+    # `--dtype auto` would be bf16 on a CPU with bf16 (test_precision.py covers bf16).
+    options.setdefault("dtype", "float32")
     opts = torch_backend.TorchServerOptions(
         base_model=str(model), port=free_port(), device="cpu", **options
     )
