@@ -24,7 +24,7 @@ from rlcli.models import end_of_turn_id
 from rlcli.server import checkpoints, finite, logprobs, losses
 from rlcli.server.errors import UserError
 from rlcli.server.samplers import SamplerCache
-from rlcli.server.sampling import SampleJob, SampleOutput, generate
+from rlcli.server.sampling import DecodeBatch, SampleJob, SampleOutput, generate
 from rlcli.server.wire import DatumArrays
 
 log = logging.getLogger("rlcli.engine")
@@ -519,7 +519,7 @@ class Engine:
         results: list[Any] = [None] * len(jobs)
         groups: dict[str | None, list[int]] = {}
         for i, job in enumerate(jobs):
-            job.stop_tokens = sorted(set(job.stop_tokens) | set(self.eos_ids))
+            self.add_stops(job)
             groups.setdefault(job.sampler, []).append(i)
         for key, indices in groups.items():
             try:
@@ -533,6 +533,19 @@ class Engine:
                 for i, out in zip(chunk, outs, strict=True):
                     results[i] = out
         return results
+
+    def add_stops(self, job: SampleJob) -> SampleJob:
+        """The model's EOS ids and end of turn always end a sample, on top of ``stop``."""
+        job.stop_tokens = sorted(set(job.stop_tokens) | set(self.eos_ids))
+        return job
+
+    def decode_batch(self, key: str | None) -> DecodeBatch:
+        """An empty batch decoding on sampler ``key``, which is activated now: nothing else
+        may run on the engine until the batch is empty (``batcher.py`` sees to that)."""
+        module = self._sampler_module(key)
+        return DecodeBatch(
+            module, device=self.device, pad_id=self.pad_id, decode=self.tokenizer.decode
+        )
 
     def _generate(self, module, jobs: list[SampleJob]) -> list[SampleOutput | Exception]:
         def run(batch):
@@ -564,6 +577,7 @@ class _BaseOnly(torch.nn.Module):
     def __init__(self, peft_model) -> None:
         super().__init__()
         self.peft_model = peft_model
+        self.config = peft_model.config
 
     def forward(self, **kwargs):
         with self.peft_model.disable_adapter():

@@ -2,8 +2,8 @@
 
 ``EngineClient`` (HTTP side) starts the engine, submits typed operations (``ops.py``) and feeds
 the replies into the ``FutureStore``. ``engine_main`` (engine side) builds the ``Engine`` and
-runs operations in arrival order, which is each tinker client's order; consecutive ``Sample``
-operations are decoded as one batch.
+runs operations in arrival order, which is each tinker client's order; ``Sample`` operations
+are decoded together, continuously batched (``batcher.py``).
 
 Invariant 2 (every request gets an answer) is held here for the engine's part: every submitted
 operation gets exactly one reply (its result, a user error or a server error), and if the engine
@@ -31,10 +31,10 @@ from rlcli.server.futures import FutureStore
 log = logging.getLogger("rlcli.server")
 
 READY = "__ready__"
-# A sample request waits for others to batch with while they keep coming: until none arrived
-# for GATHER_IDLE_S, at most GATHER_MAX_S in all. Concurrent clients (an eval's 64 tasks, a
-# step's rollouts) reach the queue spread over tens of ms; a fixed 3 ms window split them into
-# two full decodes (14 + 50 rows), the second waiting for the first to finish.
+# A sample request that starts a batch waits for others while they keep coming: until none
+# arrived for GATHER_IDLE_S, at most GATHER_MAX_S in all. Concurrent clients (an eval's 64
+# tasks, a step's rollouts) reach the queue spread over tens of ms; one prefill for them all is
+# cheaper than one join each (later ones still join the running batch, see batcher.py).
 GATHER_IDLE_S = 0.02
 GATHER_MAX_S = 0.25
 
@@ -158,36 +158,89 @@ def engine_main(settings: dict[str, Any], requests, results) -> None:
         return
     results.put((READY, "ok", engine.info()))
     log.info("engine ready: %s", engine.info())
-    parent = os.getppid()
-    backlog: deque = deque()  # items read while gathering a batch, to run next, in order
+    serve(engine, requests, results, os.getppid())
+
+
+def serve(engine, requests, results, parent: int | None = None) -> None:
+    """Run operations in arrival order until a stop (``None``) or the parent process is gone.
+
+    Sample operations go to the ``Batcher``: one decode step at a time, with new requests
+    joining the running batch between steps. Any other operation waits until the samples that
+    arrived before it are answered, and samples that arrive after it wait for it, so order
+    across kinds holds (a sampler saved after a step samples the new weights).
+    """
+    from rlcli.server.batcher import Batcher
+
+    batcher = Batcher(engine)
+    pending: deque = deque()  # read from the queue, not yet run, in order
     while True:
-        item = backlog.popleft() if backlog else _next(requests, parent)
-        if item is None:  # stop, or the HTTP process is gone
-            return
-        if isinstance(item[1], ops.Sample):
-            batch = [item]
-            deadline = time.monotonic() + GATHER_MAX_S
-            while len(batch) < 64 and not backlog:
-                wait = min(GATHER_IDLE_S, deadline - time.monotonic())
-                try:
-                    nxt = requests.get(timeout=max(0.0, wait))
-                except queue.Empty:
-                    break
-                if nxt is None or not isinstance(nxt[1], ops.Sample):
-                    backlog.append(nxt)  # a stop or another kind: runs after this batch
-                    break
-                batch.append(nxt)
-            _run_samples(engine, batch, results)
+        if not pending and not batcher.busy:
+            item = _next(requests, parent)
+            if item is None:  # stop, or the HTTP process is gone
+                return
+            pending.append(item)
+            if _is_sample(item):
+                _gather(requests, pending)
         else:
+            _drain(requests, pending)
+            if parent is not None and os.getppid() != parent:
+                return
+        samples = []
+        while pending and _is_sample(pending[0]):
+            samples.append(pending.popleft())
+        if samples:
+            _send(results, batcher.add([(rid, op.job) for rid, op in samples]))
+        if pending:  # a stop or another kind is next: the samples before it finish first
+            while batcher.busy:
+                _send(results, batcher.step())
+            item = pending.popleft()
+            if item is None:
+                return
             _run_one(engine, item, results)
+        elif batcher.busy:
+            _send(results, batcher.step())
 
 
-def _next(requests, parent: int):
+def _is_sample(item) -> bool:
+    return item is not None and isinstance(item[1], ops.Sample)
+
+
+def _gather(requests, pending: deque) -> None:
+    """Before a new batch starts, wait for more sample requests while they keep coming (until
+    none for GATHER_IDLE_S, at most GATHER_MAX_S): one prefill for the lot is cheaper than a
+    join per request. Stops at the first request of another kind."""
+    deadline = time.monotonic() + GATHER_MAX_S
+    while len(pending) < 64:
+        wait = min(GATHER_IDLE_S, deadline - time.monotonic())
+        try:
+            item = requests.get(timeout=max(0.0, wait))
+        except queue.Empty:
+            return
+        pending.append(item)
+        if not _is_sample(item):
+            return
+
+
+def _drain(requests, pending: deque) -> None:
+    """Read what has already arrived, without waiting."""
+    while True:
+        try:
+            pending.append(requests.get_nowait())
+        except queue.Empty:
+            return
+
+
+def _send(results, replies) -> None:
+    for request_id, outcome in replies:
+        _reply(results, request_id, outcome)
+
+
+def _next(requests, parent: int | None):
     while True:
         try:
             return requests.get(timeout=1.0)
         except queue.Empty:
-            if os.getppid() != parent:  # the HTTP process died without telling us
+            if parent is not None and os.getppid() != parent:  # the HTTP process died
                 return None
 
 
@@ -200,16 +253,6 @@ def _reply(results, request_id: str, outcome: Any) -> None:
         results.put((request_id, "server", f"{type(outcome).__name__}: {outcome}"))
     else:
         results.put((request_id, "ok", outcome))
-
-
-def _run_samples(engine, batch, results) -> None:
-    try:
-        outputs = engine.sample([op.job for _, op in batch])
-    except Exception as e:
-        log.error("sample failed:\n%s", traceback.format_exc())
-        outputs = [e] * len(batch)
-    for (request_id, _), out in zip(batch, outputs, strict=True):
-        _reply(results, request_id, out)
 
 
 def _run_one(engine, item, results) -> None:

@@ -10,9 +10,11 @@ numbers a forward pass gives for the same tokens, which is what importance ratio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 
 @dataclass
@@ -38,15 +40,6 @@ class SampleOutput:
     sequences: list[tuple[np.ndarray, np.ndarray, str]]  # (tokens int32, logprobs f32, reason)
     prompt_logprobs: np.ndarray | None = None  # float32 [N], NaN first
     topk_prompt: tuple[np.ndarray, np.ndarray] | None = None  # ([N, k] int32, [N, k] f32)
-
-
-@dataclass
-class _Row:
-    job: int
-    generator: torch.Generator | None
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    reason: str | None = None  # set when finished
 
 
 def filter_logits(
@@ -103,121 +96,331 @@ def row_seed(seed: int, sample: int) -> int:
     return (seed * 1_000_003 + sample) % 2**63
 
 
-@torch.inference_mode()
-def generate(
-    model, jobs: list[SampleJob], *, device: torch.device, pad_id: int, decode
-) -> list[SampleOutput]:
-    """Sample every job's rows in one batch on ``model`` (already set to the right adapter).
+class _GrowingLayer(DynamicLayer):
+    """A KV-cache layer over a buffer with room to spare: a decode step writes its token in
+    place instead of copying the whole cache (``DynamicLayer`` concatenates every step)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0
+        self._k = self._v = None
+
+    def set(self, keys: torch.Tensor, values: torch.Tensor, spare: int) -> None:
+        """Hold ``keys``/``values`` [B, H, T, D], with room for ``spare`` more tokens."""
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        b, h, t, d = keys.shape
+        self._k = keys.new_zeros(b, h, t + spare, d)
+        self._v = values.new_zeros(b, h, t + spare, values.shape[-1])
+        self._k[:, :, :t], self._v[:, :, :t] = keys, values
+        self.length = t
+        self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        t = key_states.shape[-2]
+        if self._k is None:
+            self.set(key_states, value_states, 0)
+            return self.keys, self.values
+        if self.length + t > self._k.shape[-2]:  # out of room: double it
+            self.set(self.keys, self.values, max(t, self._k.shape[-2]))
+        n = self.length
+        self._k[:, :, n : n + t] = key_states
+        self._v[:, :, n : n + t] = value_states
+        self.length = n + t
+        self.keys, self.values = self._k[:, :, : n + t], self._v[:, :, : n + t]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+def _full_attention_only(model) -> bool:
+    """Rows can join a running batch only when every layer keeps the whole sequence (no
+    sliding-window or linear-attention layers, whose caches are not plain [B, H, T, D])."""
+    config = model.config.get_text_config(decoder=True)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return all(t == "full_attention" for t in types)
+    return not getattr(config, "sliding_window", None) or not getattr(
+        config, "use_sliding_window", True
+    )
+
+
+@dataclass
+class _Job:
+    job: SampleJob
+    ticket: Any
+    output: SampleOutput
+    left: int  # rows still decoding
+    stops: frozenset[int] = frozenset()
+
+
+@dataclass
+class _Row:
+    job: _Job
+    sample: int
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: str | None = None  # set when finished
+
+
+class DecodeBatch:
+    """Rows decoding together on one model (already set to the right adapter).
+
+    ``admit`` prefills new requests (each prompt once, in one pass) and merges their rows into
+    the running batch, so a request that arrives mid-decode joins at the next ``step`` instead
+    of waiting for the batch to end. Rows are left-padded to a common cache length; each row
+    keeps its own position ids, and the attention mask hides the padding. A row leaves the
+    batch (and its cache) when it finishes; a request is answered when all its rows have.
     ``decode(list[int]) -> str`` is used only for stop strings.
     """
-    rows: list[_Row] = []
-    for j, job in enumerate(jobs):
-        for s in range(job.num_samples):
-            generator = None
-            if job.seed is not None:
-                generator = torch.Generator().manual_seed(row_seed(job.seed, s))
-            rows.append(_Row(job=j, generator=generator))
-    width = max(len(job.prompt) for job in jobs)
-    batch = len(rows)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention = torch.zeros(batch, width, dtype=torch.long)
-    for r, row in enumerate(rows):
-        prompt = torch.from_numpy(jobs[row.job].prompt)
-        input_ids[r, width - len(prompt) :] = prompt
-        attention[r, width - len(prompt) :] = 1
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    input_ids, attention, positions = (t.to(device) for t in (input_ids, attention, positions))
 
-    # Logits over the whole prompt only when prompt logprobs are wanted: [rows, width, vocab]
-    # floats is gigabytes for a 50k vocabulary.
-    want_prompt = any(job.prompt_logprobs or job.topk_prompt_logprobs for job in jobs)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention,
-        position_ids=positions,
-        logits_to_keep=0 if want_prompt else 1,
-    )
-    cache, logits = out.past_key_values, out.logits
+    def __init__(self, model, *, device: torch.device, pad_id: int, decode) -> None:
+        self.model, self.device, self.pad_id, self.decode = model, device, pad_id, decode
+        self.can_join = _full_attention_only(model)
+        self.rows: list[_Row] = []
+        self.steps = 0  # decode forward passes run
+        self._cache = None
+        self._attention = self._position = self._next_logits = None
+        self._temperature = self._top_k = self._top_p = None
 
-    outputs = [SampleOutput(sequences=[]) for _ in jobs]
-    first_row = {}
-    for r, row in enumerate(rows):
-        first_row.setdefault(row.job, r)
-    for j, job in enumerate(jobs):
-        if job.prompt_logprobs or job.topk_prompt_logprobs:
-            n = len(job.prompt)
-            r = first_row[j]
-            values, top = prompt_logprob_arrays(
-                logits[r, width - n :], torch.from_numpy(job.prompt).to(device),
-                job.topk_prompt_logprobs,
-            )  # fmt: skip
-            outputs[j].prompt_logprobs = values
-            outputs[j].topk_prompt = top
-    next_logits = logits[:, -1, :].float()
-    del logits, out
+    def __len__(self) -> int:
+        return len(self.rows)
 
-    def per_row(attr, dtype):
-        return torch.tensor([getattr(jobs[row.job], attr) for row in rows], dtype=dtype)
-
-    temperature = per_row("temperature", torch.float32).to(device)
-    top_k = per_row("top_k", torch.long).to(device)
-    top_p = per_row("top_p", torch.float32).to(device)
-    needs_filter = bool((top_k > 0).any() or (top_p < 1).any())
-    greedy = (temperature <= 0).tolist()
-    seeded = [r for r, row in enumerate(rows) if row.generator is not None and not greedy[r]]
-    free = [r for r, row in enumerate(rows) if row.generator is None and not greedy[r]]
-    greedy_rows = [r for r in range(batch) if greedy[r]]
-    for row in rows:  # asked for nothing: done before the first step, alone or batched
-        if jobs[row.job].max_tokens == 0:
-            row.reason = "length"
-    max_new = max(job.max_tokens for job in jobs)
-    position = positions[:, -1]
-    for _ in range(max_new):
-        logp = next_logits.log_softmax(-1)
-        if needs_filter:
-            scaled = filter_logits(next_logits, temperature, top_k, top_p)
-        else:
-            scaled = next_logits / temperature.clamp(min=1e-6).unsqueeze(-1)
-        probs = scaled.softmax(-1)
-        chosen = torch.empty(batch, dtype=torch.long, device=device)
-        if free:  # one draw for every unseeded row
-            chosen[free] = torch.multinomial(probs[free], 1).squeeze(-1)
-        for r in seeded:  # a seeded row draws from its own generator, on the CPU
-            chosen[r] = torch.multinomial(probs[r].cpu(), 1, generator=rows[r].generator)[0]
-        if greedy_rows:
-            chosen[greedy_rows] = next_logits[greedy_rows].argmax(-1)
-        chosen_logp = logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).tolist()
-        chosen_list = chosen.tolist()
-        for r, row in enumerate(rows):
-            if row.reason is not None:
+    @torch.inference_mode()
+    def admit(self, jobs: list[SampleJob], tickets: list[Any]) -> list[tuple[Any, SampleOutput]]:
+        """Prefill ``jobs`` and add their rows; returns the ones already done (max_tokens=0)."""
+        width = max(len(job.prompt) for job in jobs)
+        input_ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros(len(jobs), width, dtype=torch.long)
+        for j, job in enumerate(jobs):
+            input_ids[j, width - len(job.prompt) :] = torch.from_numpy(job.prompt)
+            attention[j, width - len(job.prompt) :] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        dev = self.device
+        input_ids, attention, positions = (t.to(dev) for t in (input_ids, attention, positions))
+        # Logits over the whole prompt only when prompt logprobs are wanted: [rows, width,
+        # vocab] floats is gigabytes for a 50k vocabulary.
+        want_prompt = any(job.prompt_logprobs or job.topk_prompt_logprobs for job in jobs)
+        cache = self._new_cache()
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            logits_to_keep=0 if want_prompt else 1,
+        )
+        logits = out.logits
+        done, entries, expand = [], [], []
+        for j, (job, ticket) in enumerate(zip(jobs, tickets, strict=True)):
+            entry = _Job(job, ticket, SampleOutput(sequences=[None] * job.num_samples), 0)
+            entry.stops = frozenset(job.stop_tokens)
+            if job.prompt_logprobs or job.topk_prompt_logprobs:
+                n = len(job.prompt)
+                values, top = prompt_logprob_arrays(
+                    logits[j, width - n :], torch.from_numpy(job.prompt).to(dev),
+                    job.topk_prompt_logprobs,
+                )  # fmt: skip
+                entry.output.prompt_logprobs, entry.output.topk_prompt = values, top
+            if job.max_tokens == 0 or job.num_samples == 0:  # nothing to sample
+                empty = (np.zeros(0, np.int32), np.zeros(0, np.float32), "length")
+                entry.output.sequences = [empty] * job.num_samples
+                done.append((ticket, entry.output))
                 continue
-            job = jobs[row.job]
-            token = chosen_list[r]
+            entry.left = job.num_samples
+            for s in range(job.num_samples):  # one prefill per prompt, one row per sample
+                generator = None
+                if job.seed is not None:
+                    generator = torch.Generator().manual_seed(row_seed(job.seed, s))
+                entries.append(_Row(entry, s, generator))
+                expand.append(j)
+        next_logits = logits[:, -1, :].float()
+        del out, logits
+        if not entries:
+            return done
+        index = torch.tensor(expand, device=dev)
+        layers = [(layer.keys[index], layer.values[index]) for layer in cache.layers]
+        self._merge(entries, layers, attention[index], positions[index, -1], next_logits[index])
+        return done
+
+    def _new_cache(self):
+        if self.can_join:
+            return Cache(layer_class_to_replicate=_GrowingLayer)
+        return DynamicCache(config=self.model.config)
+
+    def _merge(self, rows, layers, attention, position, next_logits) -> None:
+        """Add prefilled rows to the batch, left-padding whichever side has the shorter cache."""
+        spare = 1 + max(row.job.job.max_tokens for row in rows)
+        if self.rows:
+            if not self.can_join:
+                raise RuntimeError("this model's cache layout cannot take rows mid-decode")
+            old = self._cache.layers
+            width = max(old[0].length, layers[0][0].shape[-2])
+            spare = max(spare, 1 + max(r.job.job.max_tokens - len(r.tokens) for r in self.rows))
+            layers = [
+                (_cat_left(o.keys, k, width), _cat_left(o.values, v, width))
+                for o, (k, v) in zip(old, layers, strict=True)
+            ]
+            attention = _cat_left(self._attention, attention, width)
+            position = torch.cat([self._position, position])
+            next_logits = torch.cat([self._next_logits, next_logits])
+        if self.can_join:
+            cache = Cache(layer_class_to_replicate=_GrowingLayer)
+            for k, v in layers:
+                layer = _GrowingLayer()
+                layer.set(k, v, spare)
+                cache.layers.append(layer)
+        else:
+            cache = self._cache_from(layers)
+        self._cache, self._attention, self._position = cache, attention, position
+        self._next_logits = next_logits
+        self.rows.extend(rows)
+        self._row_params()
+
+    def _cache_from(self, layers):
+        cache = DynamicCache(config=self.model.config)
+        for i, (k, v) in enumerate(layers):
+            cache.update(k, v, i)
+        return cache
+
+    def _row_params(self) -> None:
+        def per_row(attr, dtype):
+            values = [getattr(row.job.job, attr) for row in self.rows]
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        self._temperature = per_row("temperature", torch.float32)
+        self._top_k = per_row("top_k", torch.long)
+        self._top_p = per_row("top_p", torch.float32)
+        self._filter = bool((self._top_k > 0).any() or (self._top_p < 1).any())
+        greedy = (self._temperature <= 0).tolist()
+        rows = self.rows
+        self._seeded = [r for r, row in enumerate(rows) if row.generator and not greedy[r]]
+        self._free = [r for r, row in enumerate(rows) if not row.generator and not greedy[r]]
+        self._greedy = [r for r in range(len(rows)) if greedy[r]]
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Any, SampleOutput]]:
+        """Sample one token for every row, drop the rows that finished, run the model once on
+        the rest. Returns the requests whose last row just finished."""
+        chosen, chosen_logp = self._draw()
+        done = []
+        keep = []
+        for r, row in enumerate(self.rows):
+            token = chosen_logp[0][r]
             row.tokens.append(token)
-            row.logprobs.append(chosen_logp[r])
-            if token in job.stop_tokens or _hits_stop_string(row.tokens, job.stop_strings, decode):
+            row.logprobs.append(chosen_logp[1][r])
+            job = row.job.job
+            if token in row.job.stops or _hits_stop_string(
+                row.tokens, job.stop_strings, self.decode
+            ):
                 row.reason = "stop"
             elif len(row.tokens) >= job.max_tokens:
                 row.reason = "length"
-        if all(row.reason is not None for row in rows):
-            break
-        position = position + 1
-        attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long, device=device)], 1)
-        out = model(
-            input_ids=chosen.unsqueeze(-1),
-            attention_mask=attention,
-            position_ids=position.unsqueeze(-1),
-            past_key_values=cache,
-        )
-        cache, next_logits = out.past_key_values, out.logits[:, -1, :].float()
-
-    for row in rows:
-        outputs[row.job].sequences.append(
-            (
+            if row.reason is None:
+                keep.append(r)
+                continue
+            entry = row.job
+            entry.output.sequences[row.sample] = (
                 np.asarray(row.tokens, dtype=np.int32),
                 np.asarray(row.logprobs, dtype=np.float32),
-                row.reason or "length",
+                row.reason,
             )
+            entry.left -= 1
+            if entry.left == 0:
+                done.append((entry.ticket, entry.output))
+        if len(keep) < len(self.rows):
+            self._keep(keep)
+            chosen = chosen[keep] if keep else chosen[:0]
+        if not self.rows:
+            return done
+        self._position = self._position + 1
+        ones = torch.ones(len(self.rows), 1, dtype=torch.long, device=self.device)
+        self._attention = torch.cat([self._attention, ones], 1)
+        out = self.model(
+            input_ids=chosen.unsqueeze(-1),
+            attention_mask=self._attention,
+            position_ids=self._position.unsqueeze(-1),
+            past_key_values=self._cache,
         )
+        self._next_logits = out.logits[:, -1, :].float()
+        self.steps += 1
+        return done
+
+    def _draw(self) -> tuple[torch.Tensor, tuple[list[int], list[float]]]:
+        """Each row's next token (its own temperature / top-k / top-p / generator) and the
+        model's log-probability of it (temperature 1, unfiltered)."""
+        logits = self._next_logits
+        if self._filter:
+            scaled = filter_logits(logits, self._temperature, self._top_k, self._top_p)
+        else:
+            scaled = logits / self._temperature.clamp(min=1e-6).unsqueeze(-1)
+        chosen = torch.empty(len(self.rows), dtype=torch.long, device=self.device)
+        if self._free or self._seeded:
+            probs = scaled.softmax(-1)
+            if self._free:  # one draw for every unseeded row
+                chosen[self._free] = torch.multinomial(probs[self._free], 1).squeeze(-1)
+            for r in self._seeded:  # a seeded row draws from its own generator, on the CPU
+                generator = self.rows[r].generator
+                chosen[r] = torch.multinomial(probs[r].cpu(), 1, generator=generator)[0]
+        if self._greedy:
+            chosen[self._greedy] = logits[self._greedy].argmax(-1)
+        picked = logits.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+        logp = picked - logits.logsumexp(-1)
+        return chosen, (chosen.tolist(), logp.tolist())
+
+    def _keep(self, keep: list[int]) -> None:
+        """Only rows ``keep`` stay; cache columns no remaining row attends to are cut."""
+        self.rows = [self.rows[r] for r in keep]
+        if not keep:
+            self._cache = self._attention = self._position = self._next_logits = None
+            return
+        index = torch.tensor(keep, device=self.device)
+        attention = self._attention[index]
+        start = int((attention.sum(0) > 0).long().argmax())  # first column in use
+        self._attention = attention[:, start:]
+        self._position = self._position[index]
+        self._next_logits = self._next_logits[index]
+        spare = 1 + max(row.job.job.max_tokens - len(row.tokens) for row in self.rows)
+        layers = [
+            (x.keys[index, :, start:], x.values[index, :, start:]) for x in self._cache.layers
+        ]
+        if self.can_join:
+            self._cache = Cache(layer_class_to_replicate=_GrowingLayer)
+            for k, v in layers:
+                layer = _GrowingLayer()
+                layer.set(k, v, spare)
+                self._cache.layers.append(layer)
+        else:
+            self._cache = self._cache_from(layers)
+        self._row_params()
+
+
+def _cat_left(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
+    """Concatenate along the batch, each left-padded with zeros to ``width`` on its sequence
+    axis (dim 2 for [B, H, T, D] caches, dim 1 for [B, T] masks)."""
+    axis = 2 if old.dim() == 4 else 1
+
+    def pad(t):
+        missing = width - t.shape[axis]
+        if missing == 0:
+            return t
+        shape = list(t.shape)
+        shape[axis] = missing
+        return torch.cat([t.new_zeros(shape), t], axis)
+
+    return torch.cat([pad(old), pad(new)])
+
+
+def generate(
+    model, jobs: list[SampleJob], *, device: torch.device, pad_id: int, decode
+) -> list[SampleOutput]:
+    """Sample every job's rows in one batch on ``model`` (already set to the right adapter),
+    decoding to the end."""
+    batch = DecodeBatch(model, device=device, pad_id=pad_id, decode=decode)
+    outputs: list[SampleOutput | None] = [None] * len(jobs)
+    finished = batch.admit(jobs, list(range(len(jobs))))
+    while len(batch):
+        finished.extend(batch.step())
+    for j, out in finished:
+        outputs[j] = out
     return outputs
