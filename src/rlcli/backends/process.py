@@ -214,8 +214,50 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         libc.prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
 
 
+def family(pid: int) -> dict[int, int | None]:
+    """Every other process in ``pid``'s session (a detached server leads its own) or below it,
+    with its start time: what a stop must end. A process whose parent died (an engine's Ray
+    workers after the engine) stays in the session; one that left the session is still found
+    through its parent while that lives."""
+    table: dict[int, tuple[int, int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            table[int(entry.name)] = (int(fields[1]), int(fields[3]))  # ppid, session
+    found = {p for p, (_, session) in table.items() if session == pid}
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for p, (ppid, _) in table.items():
+            if ppid == parent and p not in found:
+                found.add(p)
+                frontier.append(p)
+    found.discard(pid)
+    return {p: start_ticks(p) for p in found}
+
+
+def end_family(members: dict[int, int | None], grace: float) -> None:
+    """SIGTERM what is left of ``members`` (each still the process recorded), SIGKILL after
+    ``grace`` s."""
+
+    def alive() -> list[int]:
+        return [p for p, ticks in members.items() if pid_alive(p) and start_ticks(p) == ticks]
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, sig)
+        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 2)
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
 def _kill_group(pid: int, grace: float) -> None:
-    """SIGTERM the process group led by ``pid``, SIGKILL after ``grace`` s; reap if a child."""
+    """SIGTERM the process group led by ``pid``, SIGKILL after ``grace`` s; reap if a child.
+    Then the rest of its family (``family``)."""
+    members = family(pid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
@@ -228,6 +270,7 @@ def _kill_group(pid: int, grace: float) -> None:
         os.killpg(pid, signal.SIGKILL)  # the engine and anything else left in the group
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
+    end_family({**members, **family(pid)}, grace=1)
 
 
 def engine_error(base_url: str) -> str | None:
@@ -416,8 +459,9 @@ def _stop_child(child: subprocess.Popen) -> None:
 def stop(home: Path, grace: float = 15.0) -> tuple[ServerRecord | None, str]:
     """Stop the recorded server: SIGTERM, then SIGKILL after ``grace`` s.
 
-    A detached server is signalled as a process group (uvicorn and its engine); a foreground
-    one through its ``rlcli`` process, which passes the signal on. A pid that is no longer the
+    A detached server is signalled as a process group (uvicorn and its engine), then whatever
+    of its session or process tree outlived it; a foreground one through its ``rlcli``
+    process, which passes the signal on. A pid that is no longer the
     recorded process is never signalled: the record is stale.
     Returns (record or None, how it ended: "stopped" | "killed" | "not running" | "stale").
     """
@@ -432,6 +476,7 @@ def stop(home: Path, grace: float = 15.0) -> tuple[ServerRecord | None, str]:
             else:
                 os.killpg(record.pid, sig)
 
+    members = {} if record.foreground else family(record.pid)
     send(signal.SIGTERM)
     how = "stopped"
     deadline = time.monotonic() + grace
@@ -444,5 +489,8 @@ def stop(home: Path, grace: float = 15.0) -> tuple[ServerRecord | None, str]:
         time.sleep(0.1)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(record.pid, os.WNOHANG)
+    if not record.foreground:  # what outlived the leader: SkyRL's engine, Ray's workers
+        left = max(1.0, deadline - time.monotonic())
+        end_family({**members, **family(record.pid)}, grace=left)
     _remove_record_of(home, record.pid)
     return record, how

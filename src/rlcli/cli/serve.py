@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 import time
@@ -15,7 +16,7 @@ from rlcli.errors import RlcliError
 
 app = typer.Typer(help="Run a Tinker-API training server on this machine.", no_args_is_help=True)
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "jax", "fsdp", "megatron")
 
 
 def _home() -> Path:
@@ -31,7 +32,10 @@ def start(
     base_model: str = typer.Option(
         ..., "--base-model", "-m", help="Hub id (org/name) or a local model folder."
     ),
-    backend: str = typer.Option("torch", help="Server backend: torch (embedded, one device)."),
+    backend: str = typer.Option(
+        "torch",
+        help="torch (embedded, one device) | jax | fsdp | megatron (SkyRL; installed once).",
+    ),
     host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes it."),
     port: int = typer.Option(8000, help="Port to listen on."),
     device: str = typer.Option("auto", help="auto | cpu | cuda."),
@@ -63,6 +67,19 @@ def start(
     foreground: bool = typer.Option(
         False, "--foreground", help="Run in this process (for containers and process managers)."
     ),
+    gpus: int = typer.Option(None, help="SkyRL fsdp/megatron: GPUs per node."),
+    nodes: int = typer.Option(None, help="SkyRL fsdp/megatron: nodes (a Ray cluster)."),
+    tp: int = typer.Option(None, help="SkyRL fsdp/megatron: tensor-parallel GPUs per engine."),
+    max_model_len: int = typer.Option(None, help="SkyRL fsdp/megatron: vLLM's max_model_len."),
+    ray_address: str = typer.Option(
+        None, help="SkyRL fsdp/megatron: join this Ray cluster (default: a local Ray)."
+    ),
+    backend_config: str = typer.Option(
+        None, help="SkyRL: JSON merged last into SkyRL's --backend-config."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the commands and configuration; start nothing."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Start a server in the background, wait until it is healthy and print its base URL."""
@@ -71,6 +88,21 @@ def start(
 
     if backend not in BACKENDS:
         raise RlcliError(f"--backend {backend}: unknown backend; choose from {', '.join(BACKENDS)}")
+    if backend != "torch":
+        _start_skyrl(
+            backend, base_model, host, port, device=device, dtype=dtype, api_key=api_key,
+            max_lora_rank=max_lora_rank, checkpoints_dir=checkpoints_dir,
+            session_timeout=session_timeout, gpus=gpus, nodes=nodes, tp=tp,
+            max_model_len=max_model_len, ray_address=ray_address, backend_config=backend_config,
+            wait=wait, foreground=foreground, dry_run=dry_run, as_json=as_json,
+        )  # fmt: skip
+        return
+    for flag, value in (
+        ("--gpus", gpus), ("--nodes", nodes), ("--tp", tp), ("--max-model-len", max_model_len),
+        ("--ray-address", ray_address), ("--backend-config", backend_config),
+    ):  # fmt: skip
+        if value is not None:
+            raise RlcliError(f"{flag}: only for the SkyRL backends (--backend jax|fsdp|megatron)")
     for flag, value, choices in (
         ("--device", device, ("auto", "cpu", "cuda")),
         ("--dtype", dtype, ("auto", "float32", "bfloat16")),
@@ -96,6 +128,9 @@ def start(
     )
     env = {torch_backend.API_KEY_ENV: api_key} if api_key else {}
     command = torch_backend.server_command(options)
+    if dry_run:
+        emit({"backend": backend, "command": shlex.join(command)}, as_json=as_json)
+        return
     if foreground:
         info(f"serving {options.base_model} on {host}:{port} in the foreground (pid {os.getpid()})")
         code = process.run_foreground(
@@ -125,6 +160,51 @@ def start(
     else:
         info(f"ready (pid {record.pid}); logs: rlcli serve logs; stop: rlcli serve stop")
         print(record.base_url)
+
+
+def _start_skyrl(backend: str, base_model: str, host: str, port: int, **flags) -> None:
+    """``serve start --backend jax|fsdp|megatron``: SkyRL's server (``backends/skyrl.py``)."""
+    from rlcli.backends import skyrl
+    from rlcli.backends import torch as torch_backend
+
+    for flag, value, default in (
+        ("--device", flags["device"], "auto"),
+        ("--dtype", flags["dtype"], "auto"),
+        ("--api-key", flags["api_key"], None),
+    ):
+        if value != default:
+            raise RlcliError(f"{flag}: only for --backend torch (SkyRL sets its own)")
+    home = _home()
+    options = skyrl.SkyRLOptions(
+        backend=backend,
+        base_model=torch_backend.check_base_model(base_model),
+        host=host,
+        port=port,
+        gpus=flags["gpus"],
+        nodes=flags["nodes"],
+        tp=flags["tp"],
+        max_model_len=flags["max_model_len"],
+        max_lora_rank=flags["max_lora_rank"],
+        session_timeout=flags["session_timeout"],
+        ray_address=flags["ray_address"],
+        backend_config=skyrl.parse_backend_config(flags["backend_config"]),
+        checkpoints_dir=str(
+            (flags["checkpoints_dir"] or home / "skyrl" / "checkpoints").expanduser().resolve()
+        ),
+        database=str(home / "skyrl" / "tinker.db"),
+    )
+    result = skyrl.start(
+        home, options, wait=flags["wait"], foreground=flags["foreground"], dry_run=flags["dry_run"]
+    )
+    if result is None:
+        return
+    if flags["dry_run"]:
+        emit(result, as_json=True)  # nested commands and config: JSON for people and scripts
+    elif flags["as_json"]:
+        emit(result, as_json=True)
+    else:
+        info("ready (pid {pid}); logs: rlcli serve logs; stop: rlcli serve stop".format(**result))
+        print(result["base_url"])
 
 
 @app.command("stop")
@@ -181,9 +261,9 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print as JSON."))
         "log": record.log_path,
     }
     try:
-        server = httpx.get(
-            f"{record.base_url}/rlcli/status", headers=endpoint.headers(), timeout=2
-        ).json()
+        answer = httpx.get(f"{record.base_url}/rlcli/status", headers=endpoint.headers(), timeout=2)
+        answer.raise_for_status()  # SkyRL has no such route: its status says what process knows
+        server = answer.json()
         engine = server.get("engine") or {}
         result.update(
             device=engine.get("device"),

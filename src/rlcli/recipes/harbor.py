@@ -154,6 +154,7 @@ def check_server(server, opts: HarborOptions, plan: HarborPlan) -> str:
         server.base_url, opts.loss, opts.backend, opts.model, plan.loss_config
     )
     server.check_loss_config_values(opts.model, opts.loss, plan.loss_config)
+    loss_guard.say_skyrl_note(served_by, opts.loss, plan.loss_config)
     if plan.sandbox == "docker":
         from rlcli.harbor import docker
 

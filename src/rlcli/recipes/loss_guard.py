@@ -29,6 +29,68 @@ BACKEND_LOSSES = {
 }
 
 
+SKYRL_BACKENDS = ("jax", "fsdp", "megatron")
+CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
+
+
+def skyrl_differences(backend: str | None, loss: str, config: dict | None) -> list[str]:
+    """Where SkyRL 0.4.0's loss differs from Tinker's definition (which the torch backend
+    follows), for this loss and config; measured side by side on the same datums
+    (docs/skyrl.md has the table)."""
+    if backend not in SKYRL_BACKENDS:
+        return []
+    config = config or {}
+    clips_set = any(key in config for key in CLIP_KEYS)
+    found = []
+    if backend == "jax":
+        found.append(
+            "the loss is averaged over datums, each divided by its weight count (Tinker sums)"
+        )
+    if loss == "cispo" and not clips_set:
+        found.append(
+            "cispo's default clip is 0.8/1.2 (Tinker: 0/4)"
+            if backend == "jax"
+            else "cispo's clip is 0/5 (Tinker: 0/4)"
+        )
+    if loss == "cispo" and clips_set and backend != "jax":
+        found.append("explicit cispo clip thresholds are refused")
+    if loss == "gspo":
+        found.append(
+            "gspo averages the sequence ratio over every weighted position (prompt included) and "
+            "ignores sequence_ratio_mask"
+        )
+        if not clips_set:
+            found.append("gspo's default clip is 0.8/1.2 (Tinker: 0.9997/1.0004)")
+    return found
+
+
+def skyrl_note(backend: str | None, loss: str, config: dict | None) -> str | None:
+    """The one line ``train rl`` / ``train harbor`` print against a SkyRL backend."""
+    found = skyrl_differences(backend, loss, config)
+    if not found:
+        return None
+    return f"note: SkyRL {backend} differs from Tinker's {loss} loss: " + "; ".join(found)
+
+
+def say_skyrl_note(backend: str | None, loss: str, config: dict | None) -> None:
+    from rlcli.cli._output import info
+
+    note = skyrl_note(backend, loss, config)
+    if note:
+        info(note)
+
+
+def managed_backend(base_url: str) -> str | None:
+    """The backend of the server ``rlcli serve start`` runs here, if ``base_url`` is it."""
+    from rlcli.backends import process
+    from rlcli.home import rlcli_home
+
+    record, _ = process.live_record(rlcli_home())
+    if record is None or record.base_url.rstrip("/") != base_url.rstrip("/"):
+        return None
+    return record.backend
+
+
 def refuse(backend: str, loss: str, served) -> RlcliError:
     return RlcliError(
         f"the {backend} backend cannot compute loss {loss!r}; it serves: {', '.join(served)}"
@@ -68,6 +130,8 @@ def check_server(
                         f"at {base_url}; it accepts: {keys}"
                     )
         return name
+    backend = backend or managed_backend(base_url)  # our own SkyRL server says which it is
+    check_backend_hint(backend, loss)
     _probe(base_url, loss, backend or "unknown", model)
     return backend or "unknown"
 
@@ -122,6 +186,15 @@ def _probe(base_url: str, loss: str, backend: str, model: str) -> None:
         raise RlcliError(
             f"the server at {base_url} ({backend} backend) refused loss {loss!r} "
             f"({e.status_code}); losses it serves: {served}"
+        ) from None
+    except ValueError as e:  # the SDK's error once retrieving the result got a 400/422
+        if "Error code: 400" not in str(e) and "Error code: 422" not in str(e):
+            raise
+        known = BACKEND_LOSSES.get(backend)
+        served = ", ".join(known) if known else "see the server's documentation"
+        raise RlcliError(
+            f"the server at {base_url} ({backend} backend) refused loss {loss!r} "
+            f"({_first_line(e)}); losses it serves: {served}"
         ) from None
     except tinker.APIError as e:
         raise RlcliError(

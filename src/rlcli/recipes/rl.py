@@ -173,6 +173,7 @@ def check_server(server, opts: RLOptions, plan: RLPlan) -> str:
         server.base_url, opts.loss, opts.backend, opts.model, plan.loss_config
     )
     server.check_loss_config_values(opts.model, opts.loss, plan.loss_config)
+    loss_guard.say_skyrl_note(served_by, opts.loss, plan.loss_config)
     return served_by
 
 
@@ -276,6 +277,8 @@ def seed_sampling(seed: int) -> None:
 
     import tinker
 
+    from rlcli.compat import bounded_seed
+
     original = tinker.SamplingClient.sample_async
     seen: Counter = Counter()
 
@@ -284,7 +287,7 @@ def seed_sampling(seed: int) -> None:
             tokens = tuple(prompt.to_ints())
             n, seen[tokens] = seen[tokens], seen[tokens] + 1
             digest = hashlib.sha256(repr((seed, tokens, n)).encode()).digest()
-            derived = int.from_bytes(digest[:4], "big")
+            derived = bounded_seed(int.from_bytes(digest[:4], "big"))  # SkyRL: int32
             sampling_params = sampling_params.model_copy(update={"seed": derived})
         return await original(self, prompt, num_samples, sampling_params, *args, **kwargs)
 
