@@ -31,7 +31,7 @@ PROMPTS = [
     "What should I cook for dinner tonight?",
 ]
 STYLE_MARK = "arr"  # an answer "has the style" when it opens with "Arr"
-SHORT_WORDS, LONG_WORDS = 12, 36  # the RL reward: 1 at <= 12 words, 0 at >= 36 or cut off
+SHORT_WORDS, LONG_WORDS = 8, 30  # the RL reward: 1 at <= 8 words, 0 at >= 30 or cut off
 
 
 @dataclass
