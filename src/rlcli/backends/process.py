@@ -467,6 +467,10 @@ def stop(home: Path, grace: float = 15.0) -> tuple[ServerRecord | None, str]:
     """
     record, stale = live_record(home)
     if record is None:
+        if stale is not None and not stale.foreground and not pid_alive(stale.pid):
+            # It died on its own: what it started may live on in its session (an engine, Ray).
+            # The pid is free, so no other process leads a session with that number.
+            end_family(family(stale.pid), grace=grace)
         return stale, "stale" if stale else "not running"
 
     def send(sig: int) -> None:

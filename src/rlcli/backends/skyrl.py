@@ -85,12 +85,12 @@ def _version(python: str) -> tuple[int, int] | None:
 
 def find_python() -> str:
     """A Python >= 3.12 on this machine (uv cannot download one offline): PATH first, then
-    pyenv's versions (``$PYENV_ROOT`` or ``~/.pyenv``)."""
-    names = ["python3.14", "python3.13", "python3.12", "python3"]
+    pyenv's versions (``$PYENV_ROOT`` or ``~/.pyenv``), oldest suitable first."""
+    names = ["python3.12", "python3.13", "python3.14", "python3"]  # 3.12: what SkyRL tests
     candidates = [found for name in names if (found := shutil.which(name))]
     pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
     if pyenv.is_dir():
-        candidates += [str(p) for p in sorted(pyenv.glob("3.1[2-9]*/bin/python3"), reverse=True)]
+        candidates += [str(p) for p in sorted(pyenv.glob("3.1[2-9]*/bin/python3"))]
     for candidate in candidates:
         version = _version(candidate)
         if version and version >= (3, 12):
