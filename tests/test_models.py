@@ -60,6 +60,11 @@ def test_smollm2_gguf_import_agrees_on_im_end(tmp_path):
     generation = json.loads((folder / "generation_config.json").read_text())
     assert tokenizer.eos_token_id == im_end == end_of_turn_id(tokenizer)
     assert generation["eos_token_id"] == im_end
+    # Reloaded, the tokenizer is still byte-level: spaces are not <|endoftext|> (the saved
+    # CodeLlamaTokenizer class turned them into it).
+    text = "What is 4 + 5?\nOk"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    assert tokenizer.unk_token_id not in tokenizer.encode(text, add_special_tokens=False)
 
 
 # --- a .gguf file as the base model -------------------------------------------------------

@@ -215,13 +215,39 @@ def import_gguf(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str]) 
 
         raise RlcliError(f"{gguf_file}: no such GGUF file")
     target = Path(out).expanduser().resolve()
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    tokenizer = byte_level_as_plain(
+        AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    )
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
     agree_special_tokens(tokenizer, model.config, model.generation_config)
     target.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(target)
     model.save_pretrained(target)
     return target
+
+
+def byte_level_as_plain(tokenizer):
+    """transformers (5.5) converts a GGUF byte-level BPE tokenizer (SmolLM2's ``gpt2``) into a
+    ``CodeLlamaTokenizer``; saved under that class and loaded again, its pre-tokenizer becomes
+    Metaspace and every space encodes as ``<|endoftext|>``. The converted pipeline itself is
+    right, so it is saved under the plain tokenizers-backed class instead."""
+    from tokenizers import pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if type(tokenizer).__name__ != "CodeLlamaTokenizer" or not isinstance(
+        getattr(backend, "pre_tokenizer", None), pre_tokenizers.ByteLevel
+    ):
+        return tokenizer
+    plain = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        unk_token=tokenizer.unk_token,
+        pad_token=tokenizer.pad_token,
+    )
+    plain.chat_template = tokenizer.chat_template
+    return plain
 
 
 def end_of_turn_id(tokenizer) -> int | None:
