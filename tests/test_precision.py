@@ -3,7 +3,8 @@
 The plain path is what the engine did before: the whole model's logits in float32, one
 ``log_softmax``, one backward. Chunking and checkpointing only reorder float32 arithmetic, so
 they match it to rounding; bf16 weights match within the tolerance in docs/architecture.md
-("Precision"): BF16_LOGPROB_ATOL on logprobs, gradients within BF16_GRAD_COSINE of direction.
+("Precision"): BF16_LOGPROB_ATOL per token (BF16_LOGPROB_MEAN_ATOL on average), and the
+LoRA gradient within BF16_GRAD_COSINE of the float32 direction.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from rlcli.server import logprobs
 from rlcli.server.engine import Engine
 from rlcli.server.wire import DatumArrays
 
-BF16_LOGPROB_ATOL = 0.1  # max |bf16 - fp32| per token on the tiny model (documented bound)
-BF16_LOGPROB_MEAN_ATOL = 0.02  # mean |bf16 - fp32| per token
-BF16_GRAD_COSINE = 0.99  # cosine similarity of the whole LoRA gradient
+BF16_LOGPROB_ATOL = 0.05  # max |bf16 - fp32| per token (measured on the tiny model: 0.024)
+BF16_LOGPROB_MEAN_ATOL = 0.01  # mean |bf16 - fp32| per token (measured: 0.0025)
+BF16_GRAD_COSINE = 0.999  # cosine of the whole LoRA gradient (measured: 0.9997)
+BF16_RATIO_LOG_ATOL = 0.02  # |sampler - training| logprob in bf16, same weights (measured: 0.005)
 
 
 def _data(vocab: int, k: int | None = None) -> list[DatumArrays]:
@@ -136,3 +138,24 @@ def test_bf16_weights_match_fp32_within_tolerance_and_keep_fp32_lora(tiny_model,
     engine.optim_step("student", learning_rate=1e-3)
     state = engine.adapters["student"].optimizer.state
     assert state and all(s["exp_avg"].dtype == torch.float32 for s in state.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sampler_and_training_logprobs_agree_when_weights_have_not_moved(tiny_model, dtype):
+    """Importance ratios are 1 up to rounding: sampling runs the same weights in the same dtype
+    (the engine's), so its logprobs are the training forward's."""
+    from rlcli.server.sampling import SampleJob
+
+    engine = _engine(tiny_model, dtype=dtype)
+    engine.snapshot_sampler("student", "snap", None, {})
+    prompt = np.arange(5, 25)
+    job = SampleJob(prompt=prompt, max_tokens=12, temperature=1.0, seed=3, sampler="snap")
+    (out,) = engine.sample([job])
+    tokens, sampled, _ = out.sequences[0]
+    full = np.concatenate([prompt, tokens])
+    datum = DatumArrays(full[:-1], {"target_tokens": full[1:]})
+    (res,), _ = engine.forward_backward("student", [datum], "cross_entropy", forward_only=True)
+    trained = res["logprobs"][len(prompt) - 1 :]
+    # KV-cache decode and a full forward run different kernel shapes: rounding, not precision.
+    atol = 1e-4 if dtype == "float32" else BF16_RATIO_LOG_ATOL
+    np.testing.assert_allclose(sampled, trained, atol=atol)
