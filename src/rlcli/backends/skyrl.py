@@ -297,6 +297,7 @@ def server_env(home: Path, options: SkyRLOptions, uv: str) -> dict[str, str]:
     env = {
         "PATH": os.pathsep.join([str(Path(uv).parent), os.environ.get("PATH", "")]),
         "UV_OFFLINE": "1",
+        "COLUMNS": "200",  # SkyRL logs through rich, which wraps lines at 80 columns in a file
         **uv_env(home),
     }
     if options.ray_address:
