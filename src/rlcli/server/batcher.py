@@ -22,9 +22,12 @@ Reply = tuple[Any, Any]  # (request id, SampleOutput or the exception that is it
 
 
 class Batcher:
-    def __init__(self, engine, max_rows: int = SAMPLE_ROWS_PER_BATCH) -> None:
+    def __init__(self, engine, max_rows: int = SAMPLE_ROWS_PER_BATCH, join: bool = True) -> None:
+        """``join=False``: new requests wait for the running batch to end (the behaviour before
+        continuous batching; benchmarks compare against it)."""
         self.engine = engine
         self.max_rows = max_rows
+        self.join = join
         self.batch: DecodeBatch | None = None
         self.key: str | None = None  # the running batch's sampler
         self.waiting: deque[tuple[Any, SampleJob]] = deque()
@@ -71,7 +74,8 @@ class Batcher:
                 continue
             self.stats["batches"] += 1
             replies.extend(self._prefill(self._take()))
-        if self.waiting and self.batch is not None and len(self.batch) and self.batch.can_join:
+        running = self.batch is not None and len(self.batch)
+        if self.waiting and running and self.join and self.batch.can_join:
             taken = self._take()
             self.stats["joined"] += len(taken)
             replies.extend(self._prefill(taken))

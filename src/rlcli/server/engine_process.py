@@ -161,17 +161,18 @@ def engine_main(settings: dict[str, Any], requests, results) -> None:
     serve(engine, requests, results, os.getppid())
 
 
-def serve(engine, requests, results, parent: int | None = None) -> None:
+def serve(engine, requests, results, parent: int | None = None, join: bool = True) -> None:
     """Run operations in arrival order until a stop (``None``) or the parent process is gone.
 
     Sample operations go to the ``Batcher``: one decode step at a time, with new requests
     joining the running batch between steps. Any other operation waits until the samples that
     arrived before it are answered, and samples that arrive after it wait for it, so order
-    across kinds holds (a sampler saved after a step samples the new weights).
+    across kinds holds (a sampler saved after a step samples the new weights). ``join=False``
+    decodes each batch to the end first (the old behaviour, for benchmarks).
     """
     from rlcli.server.batcher import Batcher
 
-    batcher = Batcher(engine)
+    batcher = Batcher(engine, join=join)
     pending: deque = deque()  # read from the queue, not yet run, in order
     while True:
         if not pending and not batcher.busy:

@@ -284,6 +284,7 @@ class DecodeBatch:
         return cache
 
     def _row_params(self) -> None:
+        self._padded = bool((self._attention == 0).any())
         def per_row(attr, dtype):
             values = [getattr(row.job.job, attr) for row in self.rows]
             return torch.tensor(values, dtype=dtype, device=self.device)
@@ -338,7 +339,9 @@ class DecodeBatch:
         self._attention = torch.cat([self._attention, ones], 1)
         out = self.model(
             input_ids=chosen.unsqueeze(-1),
-            attention_mask=self._attention,
+            # No padding (rows of one prompt, or of prompts of one length): no mask to build
+            # and apply, which is a good part of a small model's step.
+            attention_mask=self._attention if self._padded else None,
             position_ids=self._position.unsqueeze(-1),
             past_key_values=self._cache,
         )
