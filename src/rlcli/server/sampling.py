@@ -285,6 +285,7 @@ class DecodeBatch:
 
     def _row_params(self) -> None:
         self._padded = bool((self._attention == 0).any())
+
         def per_row(attr, dtype):
             values = [getattr(row.job.job, attr) for row in self.rows]
             return torch.tensor(values, dtype=dtype, device=self.device)
@@ -362,14 +363,26 @@ class DecodeBatch:
             probs = scaled.softmax(-1)
             if self._free:  # one draw for every unseeded row
                 chosen[self._free] = torch.multinomial(probs[self._free], 1).squeeze(-1)
-            for r in self._seeded:  # a seeded row draws from its own generator, on the CPU
-                generator = self.rows[r].generator
-                chosen[r] = torch.multinomial(probs[r].cpu(), 1, generator=generator)[0]
+            if self._seeded:
+                chosen[self._seeded] = self._seeded_draw(probs[self._seeded])
         if self._greedy:
             chosen[self._greedy] = logits[self._greedy].argmax(-1)
         picked = logits.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
         logp = picked - logits.logsumexp(-1)
         return chosen, (chosen.tolist(), logp.tolist())
+
+    def _seeded_draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token per seeded row by inverting its CDF at a uniform from the row's own
+        generator (on the CPU): a few microseconds a row where a multinomial call per row took
+        hundreds at a 50k vocabulary. ``right=True`` never lands on a zero-probability token."""
+        uniform = torch.stack(
+            [torch.rand((), generator=self.rows[r].generator, dtype=torch.float64)
+             for r in self._seeded]
+        )  # fmt: skip
+        cdf = probs.double().cpu().cumsum(-1)
+        point = (uniform * cdf[:, -1]).unsqueeze(-1)
+        picked = torch.searchsorted(cdf, point, right=True).squeeze(-1)
+        return picked.clamp(max=probs.shape[-1] - 1).to(probs.device)
 
     def _keep(self, keep: list[int]) -> None:
         """Only rows ``keep`` stay; cache columns no remaining row attends to are cut."""
