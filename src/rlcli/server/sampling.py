@@ -91,6 +91,9 @@ def _hits_stop_string(tokens: list[int], stops: list[str], decode) -> bool:
     return any(stop in text for stop in stops)
 
 
+SPARE_TOKENS = 256
+
+
 def row_seed(seed: int, sample: int) -> int:
     """The generator seed of sample ``sample`` of a request seeded ``seed`` (any uint64)."""
     return (seed * 1_000_003 + sample) % 2**63
@@ -250,13 +253,13 @@ class DecodeBatch:
 
     def _merge(self, rows, layers, attention, position, next_logits) -> None:
         """Add prefilled rows to the batch, left-padding whichever side has the shorter cache."""
-        spare = 1 + max(row.job.job.max_tokens for row in rows)
+        spare = _spare(row.job.job.max_tokens for row in rows)
         if self.rows:
             if not self.can_join:
                 raise RuntimeError("this model's cache layout cannot take rows mid-decode")
             old = self._cache.layers
             width = max(old[0].length, layers[0][0].shape[-2])
-            spare = max(spare, 1 + max(r.job.job.max_tokens - len(r.tokens) for r in self.rows))
+            spare = max(spare, _spare(r.job.job.max_tokens - len(r.tokens) for r in self.rows))
             layers = [
                 (_cat_left(o.keys, k, width), _cat_left(o.values, v, width))
                 for o, (k, v) in zip(old, layers, strict=True)
@@ -396,7 +399,7 @@ class DecodeBatch:
         self._attention = attention[:, start:]
         self._position = self._position[index]
         self._next_logits = self._next_logits[index]
-        spare = 1 + max(row.job.job.max_tokens - len(row.tokens) for row in self.rows)
+        spare = _spare(row.job.job.max_tokens - len(row.tokens) for row in self.rows)
         layers = [
             (x.keys[index, :, start:], x.values[index, :, start:]) for x in self._cache.layers
         ]
@@ -409,6 +412,12 @@ class DecodeBatch:
         else:
             self._cache = self._cache_from(layers)
         self._row_params()
+
+
+def _spare(tokens_left) -> int:
+    """Cache room to reserve: what the rows may still need, at most SPARE_TOKENS (a request
+    without max_tokens may ask for 16k; the buffer doubles when it runs out)."""
+    return 1 + min(max(tokens_left), SPARE_TOKENS)
 
 
 def _cat_left(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
