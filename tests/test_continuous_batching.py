@@ -30,7 +30,7 @@ def _job(seed: int, max_tokens: int, num_samples: int = 1, **kw) -> SampleJob:
 
 def _alone(engine, job):
     (out,) = engine.sample([copy.deepcopy(job)])
-    return [list(s[0]) for s in out.sequences]
+    return out.sequences
 
 
 def _run(batcher, replies, steps=None):
@@ -43,24 +43,29 @@ def _run(batcher, replies, steps=None):
 def test_request_arriving_mid_decode_joins_the_running_batch(engine):
     early = _job(1, 24, num_samples=2, temperature=1.0)
     late = _job(2, 8, temperature=0.7, top_p=0.9)
+    wide = _job(3, 6, top_k=5)  # a prompt longer than the running cache: the old rows get padded
+    wide.prompt = np.arange(10, 50, dtype=np.int64)
     batcher = Batcher(engine)
     replies: dict = {}
     replies.update(batcher.add([("early", copy.deepcopy(early))]))
     _run(batcher, replies, steps=5)
     assert len(batcher.batch) == 2 or "early" in replies  # unless EOS ended both rows early
-    replies.update(batcher.add([("late", copy.deepcopy(late))]))
-    assert batcher.stats["joined"] == 1
+    replies.update(batcher.add([("late", copy.deepcopy(late)), ("wide", copy.deepcopy(wide))]))
+    assert batcher.stats["joined"] == 2
     if "early" not in replies:
-        assert len(batcher.batch) == 3  # the late row decodes beside the early ones
+        assert len(batcher.batch) == 4  # the late rows decode beside the early ones
     _run(batcher, replies)
-    assert set(replies) == {"early", "late"} and not batcher.busy
+    assert set(replies) == {"early", "late", "wide"} and not batcher.busy
     assert batcher.stats["batches"] == 1
     # One pass per step served both: fewer passes than two decodes one after the other.
     assert batcher.stats["decode_steps"] < 24 + 8
-    for name, job in (("early", early), ("late", late)):
-        got = [list(s[0]) for s in replies[name].sequences]
-        assert got == _alone(engine, job)  # same seed, same tokens, joined or alone
-        for tokens, logprobs, _ in replies[name].sequences:
+    for name, job in (("early", early), ("late", late), ("wide", wide)):
+        alone = _alone(engine, job)
+        for (tokens, logprobs, _), (tokens1, logprobs1, _) in zip(
+            replies[name].sequences, alone, strict=True
+        ):
+            assert list(tokens) == list(tokens1)  # same seed, same tokens, joined or alone
+            np.testing.assert_allclose(logprobs, logprobs1, atol=1e-4)  # and the same logprobs
             assert len(tokens) == len(logprobs) <= job.max_tokens
 
 
