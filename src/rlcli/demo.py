@@ -12,6 +12,7 @@ what ``rlcli train sl`` / ``train rl`` do through the cookbook.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import socket
@@ -341,7 +342,8 @@ def run_demo(config: DemoConfig, home: Path, report: Callable[[str], None]) -> D
         base_model=model, port=port, device="cpu", dtype=config.dtype
     )
     report(f"starting a server for {model} on 127.0.0.1:{port}")
-    try:
+    with _interruptible(), contextlib.ExitStack() as cleanup:
+        cleanup.callback(_stop_server, process, demo_home, report)
         record, healthy = torch_backend.start(demo_home, options, wait=300)
         if not healthy:
             raise RlcliError(f"the demo's server did not become healthy; see {record.log_path}")
@@ -366,13 +368,37 @@ def run_demo(config: DemoConfig, home: Path, report: Callable[[str], None]) -> D
         result.after, result.after_finished = _answers(
             trainer, tokenizer, stop, "demo-after", config.max_tokens
         )
-    finally:
-        process.stop(demo_home)
-        report("server stopped")
     result.seconds = round(time.monotonic() - started, 1)
     result.plot = str(plot_curves(run_dir / "curves.png", result.sft_losses, result.rl_rewards))
     (run_dir / "summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
     return result
+
+
+def _stop_server(process, demo_home: Path, report) -> None:
+    process.stop(demo_home)
+    report("server stopped")
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """SIGTERM, and SIGINT even where the demo was started with it ignored (a background job),
+    raise KeyboardInterrupt, so the server the demo started is stopped on the way out."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _answers(trainer, tokenizer, stop, name: str, max_tokens: int):
