@@ -305,6 +305,14 @@ def server_env(home: Path, options: SkyRLOptions, uv: str) -> dict[str, str]:
     return env
 
 
+def ray_plan(options: SkyRLOptions) -> str:
+    if options.backend not in GPU_BACKENDS:
+        return "not used"
+    if options.ray_address:
+        return f"joins the cluster at {options.ray_address}"
+    return "a local Ray, started by the engine and stopped with the server"
+
+
 def plan(home: Path, options: SkyRLOptions, uv: str, python: str) -> dict:
     """What ``serve start`` would do, for ``--dry-run``: the commands, their environment, the
     merged backend configuration."""
@@ -321,13 +329,7 @@ def plan(home: Path, options: SkyRLOptions, uv: str, python: str) -> dict:
         "command": shlex.join(server_command(options, uv, venv_python)),
         "env": {k: v for k, v in server_env(home, options, uv).items() if k != "PATH"},
         "backend_config": backend_config(options),
-        "ray": (
-            f"joins the cluster at {options.ray_address}"
-            if options.ray_address
-            else "a local Ray, started by the engine and stopped with the server"
-        )
-        if options.backend in GPU_BACKENDS
-        else "not used",  # fmt: skip
+        "ray": ray_plan(options),
     }
     if options.backend in GPU_BACKENDS and not cuda_present():
         result["note"] = f"no CUDA here: a real start of --backend {options.backend} would refuse"
