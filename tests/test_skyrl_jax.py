@@ -124,6 +124,22 @@ def test_gspo_is_refused_before_any_rollout(skyrl_server, skyrl_env, tiny_model,
     assert not (tmp_path / "run").exists()
 
 
+def test_gspo_is_refused_by_the_probe_when_the_server_is_not_ours(
+    skyrl_server, tiny_model, tmp_path
+):
+    """A SkyRL server rlcli did not start: its backend is unknown, so a one-datum forward with
+    the loss asks it (SkyRL's 400 arrives through retrieve_future)."""
+    result = run_rlcli(
+        "train", "rl", "--dataset", "arithmetic", "--model", str(tiny_model),
+        "--base-url", skyrl_server.base_url, "--log-path", str(tmp_path / "run"),
+        "--loss", "gspo", env={"RLCLI_HOME": str(tmp_path / "elsewhere")},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "(unknown backend) refused loss 'gspo'" in result.stderr
+    assert "not supported by the JAX backend" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_compute_logprobs_is_one_short_and_compat_aligns_it(skyrl_server, tiny_model):
     import tinker
 
