@@ -49,6 +49,11 @@ def sampler_path(train_stdout: str, run_dir: Path) -> str:
     return paths[-1]
 
 
+def correct_rate(result: dict) -> float:
+    rewards = [task["reward"] for task in result["per_task"]]
+    return sum(r >= 0.9 for r in rewards) / len(rewards)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2)")
@@ -106,6 +111,9 @@ def main() -> None:
         "accuracy_before": before["pass_rate"],
         "accuracy_after": after["pass_rate"],
         "gain_points": 100 * (after["pass_rate"] - before["pass_rate"]),
+        # right answer whatever the ending (the env's reward is 0.9 for right but no <|im_end|>)
+        "correct_before": correct_rate(before),
+        "correct_after": correct_rate(after),
         "mean_reward_before": before["mean_reward"],
         "mean_reward_after": after["mean_reward"],
         "train_reward_by_step": [r.get("env/all/reward/total") for r in rows],
@@ -116,7 +124,8 @@ def main() -> None:
         "wall_s": wall,
     }
     path = _receipt.write(args.name, receipt)
-    keys = ("accuracy_before", "accuracy_after", "train_reward_by_step", "step_time_s", "wall_s")
+    keys = ("accuracy_before", "accuracy_after", "correct_before", "correct_after")
+    keys += ("train_reward_by_step", "step_time_s", "wall_s")
     print(json.dumps({k: receipt[k] for k in keys}, indent=1))
     print(f"-> {path}")
 

@@ -324,14 +324,16 @@ def main() -> None:
 
     model = Path(args.model) if args.model else smollm2_folder(SMOLLM2)
     targets = lora_targets(model)
-    previous = _receipt.RESULTS / f"{args.name}.json"
-    receipt = json.loads(previous.read_text()) if previous.exists() else {}
-    receipt = {k: v for k, v in receipt.items() if k in ("rl", "sl")}
+    receipt = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.part in ("rl", "all"):
             receipt["rl"] = {"config": vars(args), **rl_part(args, model, targets, tmp)}
         if args.part in ("sl", "all"):
             receipt["sl"] = {"config": vars(args), **sl_part(args, model, targets, tmp)}
+    previous = _receipt.RESULTS / f"{args.name}.json"  # read now: the other part may have run
+    if previous.exists():
+        kept = json.loads(previous.read_text())
+        receipt = {k: kept[k] for k in ("rl", "sl") if k in kept} | receipt
     payload = {
         "what": "rlcli train rl / sl vs TRL GRPOTrainer / SFTTrainer, same model, data, LoRA, "
         "batch and token budget; seconds per optimizer step (median after the first) and peak "
