@@ -146,12 +146,34 @@ def staggered(model_dir: str, args) -> dict:
             "_sequences": {rid: seqs for rid, (_, seqs) in done.items()},
         }
 
+    # Where a decode step's time goes: the model's forward pass vs everything else (drawing,
+    # stops, bookkeeping), batch 8, in-process.
+    batch = engine.decode_batch(None)
+    batch.admit([SampleJob(prompt=ids, num_samples=8, max_tokens=n, temperature=1.0, seed=1)], [0])
+    inner, forward_s = batch.model, []
+
+    def timed_model(**kw):
+        t = time.perf_counter()
+        out = inner(**kw)
+        forward_s.append(time.perf_counter() - t)
+        return out
+
+    batch.model = timed_model
+    t0, steps = time.perf_counter(), 0
+    while len(batch):
+        batch.step()
+        steps += 1
+    step_ms = 1000 * (time.perf_counter() - t0) / steps
+    forward_ms = 1000 * sum(forward_s) / max(1, len(forward_s))
+
     old, new = run(join=False), run(join=True)
     same = old.pop("_sequences") == new.pop("_sequences")
     return {
         "requests": waves * per_wave,
         "waves": waves,
         "new_tokens": n,
+        "decode_step_ms_batch_8": step_ms,
+        "model_forward_ms_batch_8": forward_ms,
         "one_wave_alone_s": wave_s,
         "wave_gap_s": gap,
         "decode_to_end": old,
