@@ -79,3 +79,15 @@ def service(server):
     import tinker
 
     return tinker.ServiceClient(base_url=server.base_url, api_key="tml-dummy")
+
+
+@pytest.fixture(scope="session")
+def daemon():
+    """The Docker daemon the Harbor tests use (.ci/docker-up.sh starts one); skip without it."""
+    from rlcli.errors import RlcliError
+    from rlcli.harbor import docker
+
+    try:
+        return docker.check_daemon()
+    except RlcliError as e:
+        pytest.skip(f"no Docker daemon reachable (run .ci/docker-up.sh): {e}")

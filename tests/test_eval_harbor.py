@@ -21,19 +21,10 @@ from pathlib import Path
 import pytest
 
 from conftest import RLCLI, run_rlcli
-from rlcli.errors import RlcliError
 from rlcli.harbor import docker
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "harbor-tasks"
 NAMES = ["compute-value", "fix-script", "write-file"]
-
-
-@pytest.fixture(scope="module")
-def daemon():
-    try:
-        return docker.check_daemon()
-    except RlcliError as e:
-        pytest.skip(f"no Docker daemon reachable (run .ci/docker-up.sh): {e}")
 
 
 def eval_containers() -> list[str]:

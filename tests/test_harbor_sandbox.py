@@ -25,14 +25,6 @@ LEFT_SLEEPS = (
 )
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    try:
-        return docker.check_daemon()
-    except RlcliError as e:
-        pytest.skip(f"no Docker daemon reachable (run .ci/docker-up.sh): {e}")
-
-
 @pytest.fixture
 def run_id(daemon):
     """A fresh run label; afterwards no container of it may be left."""

@@ -15,19 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import RLCLI, run_rlcli
-from rlcli.errors import RlcliError
 from rlcli.harbor import docker
 from rlcli.recipes.harbor import run_id
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "harbor-tasks"
-
-
-@pytest.fixture(scope="module")
-def daemon():
-    try:
-        return docker.check_daemon()
-    except RlcliError as e:
-        pytest.skip(f"no Docker daemon reachable (run .ci/docker-up.sh): {e}")
 
 
 def args(server, tiny_model, log_path, *extra) -> list[str]:
