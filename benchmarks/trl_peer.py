@@ -283,9 +283,10 @@ DIFFERENCES = {
     "lora_targets": "every attention and MLP Linear on both sides, rank 32, alpha 32, no "
     "dropout; rlcli also adapts the output layer (lm_head; the cookbook's train_unembed "
     "default), which TRL's GRPOTrainer refuses, so TRL adapts fewer weights",
-    "precision": "rlcli `--dtype auto`: bf16 base weights on this CPU (AVX512-BF16), fp32 "
-    "LoRA weights and AdamW state; TRL: its default bf16=True (autocast over fp32 base "
-    "weights, fp32 LoRA and optimizer)",
+    "precision": "the same on both sides (see trl.precision and the engine's dtype): rlcli "
+    "`--dtype auto` computes in bf16 (bf16 base weights, fp32 LoRA and AdamW state) only on a "
+    "CPU with AVX512-BF16/AMX, else fp32; TRL follows the same rule (bf16=True: autocast "
+    "over fp32 weights; else fp32)",
     "micro_batching": "rlcli: padded tokens per forward pass capped by --microbatch-tokens "
     "(default 4096), gradient checkpointing on by default, logprobs in chunks; TRL: one "
     "forward/backward over the whole 16-row (RL) or 8-row (SL) batch, gradient checkpointing "
@@ -312,7 +313,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--sl-lr", type=float, default=1e-4)
     parser.add_argument("--lora-rank", type=int, default=32)
-    parser.add_argument("--trl-precision", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--trl-precision", choices=["auto", "bf16", "fp32"], default="auto")
     parser.add_argument("--name", default=NAME, help="receipt name")
     parser.add_argument("--no-lock", action="store_true", help="tiny models: skip the lock")
     args = parser.parse_args()

@@ -49,6 +49,27 @@ def gsm8k_reward(completions, answer, **_) -> list[float]:
     return out
 
 
+def cpu_has_bf16() -> bool:
+    """The rule of rlcli's ``--dtype auto`` (server/engine.py): bf16 only where the CPU
+    computes in it; elsewhere bf16 is emulated and several times slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+def pick_precision(asked: str) -> tuple[str, str]:
+    """(precision, why): ``auto`` and ``bf16`` follow rlcli's rule, so both sides compute in
+    the same precision; ``fp32`` is fp32."""
+    if asked == "fp32":
+        return "fp32", "asked"
+    if cpu_has_bf16():
+        return "bf16", "this CPU computes in bf16 (as rlcli --dtype auto decides)"
+    return "fp32", f"{asked} asked; this CPU has no bf16 arithmetic, so fp32 as rlcli's engine"
+
+
 class StepTimes:
     """Seconds of every optimizer step (generation included, for GRPO), as a TrainerCallback."""
 
@@ -82,7 +103,7 @@ def main() -> None:
     parser.add_argument("--lora-alpha", type=int, default=32)
     parser.add_argument("--targets", required=True, help="comma-separated LoRA target modules")
     parser.add_argument("--lr", type=float, default=4e-5)
-    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
     parser.add_argument("--output-dir", required=True)
     args = parser.parse_args()
 
@@ -90,6 +111,7 @@ def main() -> None:
     from datasets import load_dataset
     from peft import LoraConfig
 
+    precision, note = pick_precision(args.precision)
     torch.manual_seed(0)
     data = load_dataset("json", data_files=args.data, split="train")
     peft_config = LoraConfig(
@@ -97,7 +119,7 @@ def main() -> None:
         target_modules=args.targets.split(","), task_type="CAUSAL_LM",
     )  # fmt: skip
     common = dict(
-        output_dir=args.output_dir, use_cpu=True, bf16=args.precision == "bf16",
+        output_dir=args.output_dir, use_cpu=True, bf16=precision == "bf16",
         per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
         learning_rate=args.lr, max_steps=args.steps, logging_steps=1, save_strategy="no",
         report_to="none", seed=0, dataloader_num_workers=0, disable_tqdm=True,
@@ -141,6 +163,8 @@ def main() -> None:
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "logs": [{k: row[k] for k in keep if k in row} for row in logs],
         "settings": {k: getattr(config, k) for k in settings if hasattr(config, k)},
+        "precision": precision,
+        "precision_note": note,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "versions": {p: version(p) for p in packages},
