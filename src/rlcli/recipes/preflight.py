@@ -152,6 +152,13 @@ class Server:
             probe_forward(self.base_url, model, loss, config)
         except (tinker.BadRequestError, tinker.UnprocessableEntityError) as e:
             raise RlcliError(f"--loss-config {_json(config)}: {_detail(e)}") from None
+        except ValueError as e:  # SkyRL's 400 arrives when the SDK retrieves the result
+            if "Error code: 400" not in str(e) and "Error code: 422" not in str(e):
+                raise
+            first = " ".join(str(e).split())[:300]
+            raise RlcliError(
+                f"--loss-config {_json(config)}: refused by the server: {first}"
+            ) from None
 
 
 def _same_model(given: str, served: str) -> bool:
