@@ -32,7 +32,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _receipt  # noqa: E402
 from rl_gsm8k_smollm2 import smollm2_folder  # noqa: E402
 
-PROMPT = "What is 12 + 30? Think step by step and explain your reasoning."
+# A chat prompt that asks for a long answer: the server always stops at EOS / end of turn (it
+# cannot be told to ignore them, unlike generate's min_new_tokens), so a prompt the model
+# answers in a few tokens would measure a batch that empties early, not decoding speed.
+PROMPT = "Write a long, detailed story about a dragon who learns to cook. Use at least 500 words."
+
+
+def prompt_ids(tokenizer) -> list[int]:
+    messages = [{"role": "user", "content": PROMPT}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def throughput(model_dir: str, args) -> dict:
@@ -44,7 +53,7 @@ def throughput(model_dir: str, args) -> dict:
     from rlcli.server.engine import pick_dtype
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = tokenizer.encode(PROMPT)
+    ids = prompt_ids(tokenizer)
     server_dtype = pick_dtype("auto", torch.device("cpu"))
     batch, n = args.batch, args.tokens
     local = {}
@@ -111,7 +120,7 @@ def staggered(model_dir: str, args) -> dict:
     from rlcli.server.sampling import SampleJob
 
     engine = Engine(model_dir, device="cpu", dtype="auto")
-    ids = np.array(AutoTokenizer.from_pretrained(model_dir).encode(PROMPT), dtype=np.int64)
+    ids = np.array(prompt_ids(AutoTokenizer.from_pretrained(model_dir)), dtype=np.int64)
     per_wave, waves, n = args.requests // args.waves, args.waves, args.tokens
 
     def job(i: int) -> SampleJob:
