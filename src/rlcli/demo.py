@@ -115,9 +115,9 @@ def reward(answer: str, finished: bool) -> float:
 
 
 def steps_for(config: DemoConfig) -> tuple[int, int]:
-    """SFT and RL steps: set ones win, else scaled from ``minutes`` (10 minutes: 16 + 24;
-    on 2 idle cores an SFT step of SmolLM2 takes about 4 s and an RL step about 11 s, the
-    rest is the server start, the conversion and the two rounds of answers)."""
+    """SFT and RL steps: set ones win, else scaled from ``minutes`` (10 minutes: 16 + 24).
+    On 2 cores an SFT step of SmolLM2 takes 4-9 s and an RL step 11-35 s (longer answers,
+    other load), so the RL phase also stops early when the budget runs out."""
     scale = config.minutes / 10.0
     sft = config.sft_steps if config.sft_steps is not None else max(1, round(16 * scale))
     rl = config.rl_steps if config.rl_steps is not None else max(1, round(24 * scale))
@@ -279,15 +279,22 @@ def run_sft(trainer, tokenizer, config: DemoConfig, steps: int, report) -> list[
     return losses
 
 
-def run_rl(trainer, tokenizer, stop, config: DemoConfig, steps: int, report) -> list[float]:
-    """``steps`` on-policy importance-sampling steps; the mean reward of each step's answers."""
+def run_rl(
+    trainer, tokenizer, stop, config: DemoConfig, steps: int, report, deadline: float | None
+) -> list[float]:
+    """``steps`` on-policy importance-sampling steps, fewer when the next one would end after
+    ``deadline`` (monotonic seconds); the mean reward of each step's answers."""
     from tinker import types
 
     questions = [c[0]["content"] for c in style_conversations()]
     rng = random.Random(config.seed + 1)
     rewards = []
+    last = 0.0
     for step in range(steps):
         t0 = time.monotonic()
+        if deadline is not None and step >= 2 and t0 + last > deadline:
+            report(f"rl: stopping after {step} steps to stay within --minutes")
+            break
         sampler = trainer.save_weights_and_get_sampling_client(f"demo-rl-{step}")
         batch = rng.sample(questions, config.rl_prompts)
         answers = sample(
@@ -307,6 +314,7 @@ def run_rl(trainer, tokenizer, stop, config: DemoConfig, steps: int, report) -> 
             trainer.forward_backward(datums, "importance_sampling").result()
             trainer.optim_step(types.AdamParams(learning_rate=config.rl_lr)).result()
         rewards.append(mean(scores))
+        last = time.monotonic() - t0
         words = mean([len(a[3].split()) for a in answers])
         report(
             f"rl {step + 1}/{steps}  reward {rewards[-1]:.2f}  words {words:.0f}  "
@@ -357,13 +365,20 @@ def run_demo(config: DemoConfig, home: Path, report: Callable[[str], None]) -> D
         result = DemoResult(model=model, run_dir=str(run_dir), plot="", seconds=0.0)
 
         report(f"before: answering {len(PROMPTS)} questions (greedy)")
+        t0 = time.monotonic()
         result.before, result.before_finished = _answers(
             trainer, tokenizer, stop, "demo-before", config.max_tokens
         )
+        answers_took = time.monotonic() - t0
         report(f"SFT: {sft_steps} steps teaching a pirate voice (answers open with 'Arr!')")
         result.sft_losses = run_sft(trainer, tokenizer, config, sft_steps, report)
         report(f"RL: {rl_steps} steps rewarding short answers (1 at <= {SHORT_WORDS} words)")
-        result.rl_rewards = run_rl(trainer, tokenizer, stop, config, rl_steps, report)
+        # --minutes bounds the RL phase unless --rl-steps was given: what is left of the budget
+        # after the answers that still follow (as long as the first round took)
+        deadline = None
+        if config.rl_steps is None:
+            deadline = started + config.minutes * 60 - answers_took - 15
+        result.rl_rewards = run_rl(trainer, tokenizer, stop, config, rl_steps, report, deadline)
         report("after: the same questions again")
         result.after, result.after_finished = _answers(
             trainer, tokenizer, stop, "demo-after", config.max_tokens
