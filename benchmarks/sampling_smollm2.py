@@ -126,6 +126,7 @@ def staggered(model_dir: str, args) -> dict:
     def job(i: int) -> SampleJob:
         return SampleJob(prompt=ids, max_tokens=n, temperature=1.0, seed=1000 + i)
 
+    engine.sample([SampleJob(prompt=ids, max_tokens=4, seed=1)])  # warm up
     t0 = time.perf_counter()
     engine.sample([job(i) for i in range(per_wave)])
     wave_s = time.perf_counter() - t0  # one wave decoded alone
