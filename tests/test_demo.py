@@ -39,8 +39,8 @@ def test_demo_reports_before_after_writes_curves_and_stops_its_server(tmp_path, 
 
 def test_reward_and_style_are_what_the_demo_says():
     assert reward("Arr! Paris, matey.", True) == 1.0
-    assert reward(" ".join(["word"] * 18), True) == 0.0
-    assert 0.0 < reward(" ".join(["word"] * 12), True) < 1.0
+    assert reward(" ".join(["word"] * 30), True) == 0.0
+    assert 0.0 < reward(" ".join(["word"] * 20), True) < 1.0
     assert reward("Arr!", False) == 0.0  # cut off at the token limit
     assert style_rate(["Arr! Paris.", "Paris."]) == 0.5
     assert steps_for(DemoConfig(minutes=5)) == (8, 12)

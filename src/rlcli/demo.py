@@ -32,7 +32,7 @@ PROMPTS = [
     "What should I cook for dinner tonight?",
 ]
 STYLE_MARK = "arr"  # an answer "has the style" when it opens with "Arr"
-SHORT_WORDS, LONG_WORDS = 6, 18  # the RL reward: 1 at <= 6 words, 0 at >= 18 or cut off
+SHORT_WORDS, LONG_WORDS = 8, 30  # the RL reward: 1 at <= 8 words, 0 at >= 30 or cut off
 
 
 @dataclass
