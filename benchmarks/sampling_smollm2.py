@@ -9,9 +9,9 @@ number of tokens, in float32 (the issue's baseline) and in the server's dtype. T
 14): server >= 3x float32 ``generate`` tokens/s.
 
 Part 2 (staggered arrivals, in-process on the engine): 16 requests of 64 tokens arrive in 4
-waves, a quarter of a single wave's decode time apart. Continuous batching (late waves join the
-running batch) vs ``join=False`` (the old behaviour: a wave that arrives mid-decode waits for
-the batch to end). Seeded, so both modes decode the same tokens.
+waves, one every 8 decode steps (counted by the engine, not the clock). Continuous batching
+(late waves join the running batch) vs ``join=False`` (the old behaviour: a wave that arrives
+mid-decode waits for the batch to end). Seeded, so both modes decode the same tokens.
 
     flock /tmp/rlcli-heavy.lock python benchmarks/sampling_smollm2.py [--rounds 2]
 """
@@ -115,6 +115,7 @@ def staggered(model_dir: str, args) -> dict:
     from transformers import AutoTokenizer
 
     from rlcli.server import ops
+    from rlcli.server.batcher import Batcher
     from rlcli.server.engine import Engine
     from rlcli.server.engine_process import serve
     from rlcli.server.sampling import SampleJob
@@ -130,15 +131,22 @@ def staggered(model_dir: str, args) -> dict:
     t0 = time.perf_counter()
     engine.sample([job(i) for i in range(per_wave)])
     wave_s = time.perf_counter() - t0  # one wave decoded alone
-    gap = wave_s / waves
 
     def run(join: bool) -> dict:
         requests, results = queue.Queue(), queue.Queue()
-        worker = threading.Thread(target=serve, args=(engine, requests, results, None, join))
+        batcher = Batcher(engine, join=join)
+        worker = threading.Thread(
+            target=serve, args=(engine, requests, results, None, join, batcher)
+        )
         start = time.perf_counter()
         worker.start()
+        arrived = []
         for w in range(waves):
-            time.sleep(max(0.0, start + w * gap - time.perf_counter()))
+            # Wave w arrives once the engine has run w * gap_steps decode steps (counted in
+            # steps, not seconds: the cores are shared and step times swing 2-3x).
+            while batcher.stats["decode_steps"] < w * args.gap_steps:
+                time.sleep(0.005)
+            arrived.append(time.perf_counter() - start)
             for i in range(per_wave):
                 requests.put((w * per_wave + i, ops.Sample(copy.deepcopy(job(w * per_wave + i)))))
         requests.put(None)
@@ -150,8 +158,9 @@ def staggered(model_dir: str, args) -> dict:
         worker.join()
         return {
             "total_s": max(t for t, _ in done.values()),
-            "mean_latency_s": sum(t - (rid // per_wave) * gap for rid, (t, _) in done.items())
+            "mean_latency_s": sum(t - arrived[rid // per_wave] for rid, (t, _) in done.items())
             / len(done),
+            "decode_steps": batcher.stats["decode_steps"],
             "tokens": sum(len(s) for _, seqs in done.values() for s in seqs),
             "_sequences": {rid: seqs for rid, (_, seqs) in done.items()},
         }
@@ -185,7 +194,7 @@ def staggered(model_dir: str, args) -> dict:
         "decode_step_ms_batch_8": step_ms,
         "model_forward_ms_batch_8": forward_ms,
         "one_wave_alone_s": wave_s,
-        "wave_gap_s": gap,
+        "wave_gap_decode_steps": args.gap_steps,
         "decode_to_end": old,
         "continuous": new,
         "same_tokens_both_modes": same,
@@ -201,6 +210,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--waves", type=int, default=4)
+    parser.add_argument("--gap-steps", type=int, default=8, help="decode steps between waves")
     parser.add_argument("--skip", choices=["throughput", "staggered"], default=None)
     parser.add_argument("--name", default="sampling_smollm2")
     args = parser.parse_args()

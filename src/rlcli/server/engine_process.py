@@ -161,7 +161,9 @@ def engine_main(settings: dict[str, Any], requests, results) -> None:
     serve(engine, requests, results, os.getppid())
 
 
-def serve(engine, requests, results, parent: int | None = None, join: bool = True) -> None:
+def serve(
+    engine, requests, results, parent: int | None = None, join: bool = True, batcher=None
+) -> None:
     """Run operations in arrival order until a stop (``None``) or the parent process is gone.
 
     Sample operations go to the ``Batcher``: one decode step at a time, with new requests
@@ -172,7 +174,7 @@ def serve(engine, requests, results, parent: int | None = None, join: bool = Tru
     """
     from rlcli.server.batcher import Batcher
 
-    batcher = Batcher(engine, join=join)
+    batcher = batcher or Batcher(engine, join=join)  # a benchmark may pass one to watch
     pending: deque = deque()  # read from the queue, not yet run, in order
     while True:
         if not pending and not batcher.busy:
