@@ -39,7 +39,11 @@ def start(
     host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes it."),
     port: int = typer.Option(8000, help="Port to listen on."),
     device: str = typer.Option("auto", help="auto | cpu | cuda."),
-    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 (auto: bf16 on GPU)."),
+    dtype: str = typer.Option(
+        "auto",
+        help="auto | float32 | bfloat16 (auto: bf16 on a GPU with bf16 or a CPU with "
+        "AVX512-BF16/AMX, else float32).",
+    ),
     grad_checkpointing: bool = typer.Option(
         True,
         "--grad-checkpointing/--no-grad-checkpointing",
