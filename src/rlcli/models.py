@@ -65,14 +65,20 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
+# Bumped whenever the conversion's output changes, so folders an older rlcli converted (for
+# example before byte-level BPE tokenizers were saved under the plain class) are not reused.
+GGUF_CONVERSION = 2
+
+
 def gguf_folder(gguf_file: str | os.PathLike[str]) -> Path:
-    """``$RLCLI_HOME/models/<file stem>-<content hash>``: the same file gives the same folder
-    wherever it lies, and a changed file a new one."""
+    """``$RLCLI_HOME/models/<file stem>-<hash of content and conversion>``: the same file gives
+    the same folder wherever it lies, and a changed file (or converter) a new one."""
     from rlcli.home import rlcli_home
 
     source = Path(gguf_file).expanduser().resolve()
     stat = source.stat()
-    digest = _sha256(str(source), stat.st_size, stat.st_mtime_ns)
+    content = _sha256(str(source), stat.st_size, stat.st_mtime_ns)
+    digest = hashlib.sha256(f"{content}/conversion-{GGUF_CONVERSION}".encode()).hexdigest()
     return rlcli_home() / "models" / f"{source.stem}-{digest[:16]}"
 
 
@@ -102,8 +108,7 @@ def convert_gguf_cached(gguf_file: str | os.PathLike[str], report=None) -> Path:
     try:
         import_gguf(source, tmp)
         (tmp / "rlcli_gguf.json").write_text(
-            json.dumps({"source": str(source), "sha256_prefix": target.name.rsplit("-", 1)[-1]})
-            + "\n"
+            json.dumps({"source": str(source), "conversion": GGUF_CONVERSION}) + "\n"
         )
         try:
             os.rename(tmp, target)
