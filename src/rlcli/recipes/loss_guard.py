@@ -178,24 +178,22 @@ def _probe(base_url: str, loss: str, backend: str, model: str) -> None:
     """Does the server compute ``loss``? (For servers whose capabilities do not say.)"""
     import tinker
 
+    def refused(detail: str) -> RlcliError:
+        known = BACKEND_LOSSES.get(backend)
+        served = ", ".join(known) if known else "see the server's documentation"
+        return RlcliError(
+            f"the server at {base_url} ({backend} backend) refused loss {loss!r} "
+            f"({detail}); losses it serves: {served}"
+        )
+
     try:
         probe_forward(base_url, model, loss)
     except (tinker.BadRequestError, tinker.UnprocessableEntityError) as e:
-        known = BACKEND_LOSSES.get(backend)
-        served = ", ".join(known) if known else "see the server's documentation"
-        raise RlcliError(
-            f"the server at {base_url} ({backend} backend) refused loss {loss!r} "
-            f"({e.status_code}); losses it serves: {served}"
-        ) from None
+        raise refused(str(e.status_code)) from None
     except ValueError as e:  # the SDK's error once retrieving the result got a 400/422
         if "Error code: 400" not in str(e) and "Error code: 422" not in str(e):
             raise
-        known = BACKEND_LOSSES.get(backend)
-        served = ", ".join(known) if known else "see the server's documentation"
-        raise RlcliError(
-            f"the server at {base_url} ({backend} backend) refused loss {loss!r} "
-            f"({_first_line(e)}); losses it serves: {served}"
-        ) from None
+        raise refused(_first_line(e)) from None
     except tinker.APIError as e:
         raise RlcliError(
             f"the loss probe at {base_url} failed ({type(e).__name__}: {_first_line(e)})"
