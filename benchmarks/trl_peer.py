@@ -346,8 +346,8 @@ def main() -> None:
     }
     path = _receipt.write(args.name, payload)
     for part in ("rl", "sl"):
-        if part in receipt:
-            r = receipt[part]
+        r = receipt.get(part, {})
+        if "speedup_vs_trl" in r:  # a part kept from an earlier, partial run may lack it
             print(
                 f"{part}: rlcli {r['rlcli_step_s_median_after_first']:.1f} s/step, "
                 f"{r['rlcli']['peak_rss_gb']:.2f} GB; TRL {r['trl_step_s_median_after_first']:.1f}"
