@@ -5,7 +5,8 @@ One step = forward, backward and AdamW on a batch of 8 x 256 tokens, cross_entro
 step written directly with transformers + peft in float32 (``server_overhead.inprocess_stepper``),
 in a child process of its own so its peak RSS is its own. Server: the tinker SDK's
 ``forward_backward`` + ``optim_step`` against ``python -m rlcli.server`` with the given
-settings (default: the new defaults, ``--dtype auto`` and gradient checkpointing); the engine
+settings (``VARIANTS``: ``defaults`` is what ``serve start`` runs, the engine choosing dtype,
+micro-batch size and checkpointing for the device; the others fix them); the engine
 process's peak RSS is its ``VmHWM``. A precision section compares the engine's logprobs in
 bf16 and with the plain float32 path on real text. Targets (issue 14): >= 1.6x the baseline's
 tokens/s, <= 3 GB engine peak RSS. Setup, once, in the project venv:
@@ -31,11 +32,14 @@ from rl_gsm8k_smollm2 import smollm2_folder  # noqa: E402
 from server_overhead import inprocess_stepper, make_batch, server_stepper  # noqa: E402
 
 SCRATCH = Path("/work/scratch/smollm2")
-# name -> server settings (dtype, gradient checkpointing); "defaults" is what `serve start` runs.
+# name -> TorchServerOptions fields; what a variant leaves out is the server's default.
 VARIANTS = {
-    "defaults": {"dtype": "auto", "grad_checkpointing": True},
-    "fp32_no_checkpointing": {"dtype": "float32", "grad_checkpointing": False},
-    "bf16": {"dtype": "bfloat16", "grad_checkpointing": True},
+    "defaults": {},  # what `serve start` runs: the engine picks dtype, micro-batch, checkpointing
+    "checkpointing_mb4096": {"grad_checkpointing": True, "microbatch_tokens": 4096},
+    "no_checkpointing_mb4096": {"grad_checkpointing": False, "microbatch_tokens": 4096},
+    "no_checkpointing_mb512": {"grad_checkpointing": False, "microbatch_tokens": 512},
+    "checkpointing_mb512": {"grad_checkpointing": True, "microbatch_tokens": 512},
+    "bf16": {"dtype": "bfloat16"},
 }
 
 
@@ -160,7 +164,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--variants", default="defaults,fp32_no_checkpointing")
+    parser.add_argument(
+        "--variants", default="defaults,checkpointing_mb4096,no_checkpointing_mb4096"
+    )
     parser.add_argument("--no-precision", action="store_true")
     parser.add_argument("--model", default="", help="model folder (default: SmolLM2, built)")
     parser.add_argument("--baseline-child", action="store_true", help=argparse.SUPPRESS)

@@ -122,6 +122,26 @@ def test_checkpointing_recomputes_layers_and_matches(tiny_model, fp32, small_chu
     assert len(calls) == 1
 
 
+def test_auto_checkpointing_on_cpu_recomputes_only_rows_over_the_budget(tiny_model, fp32):
+    """By default a CPU engine takes micro-batches of 256 tokens and checkpoints none of them;
+    a row longer than the budget (it cannot be split) is checkpointed, and both match."""
+    default = Engine(str(tiny_model), device="cpu", dtype="float32")
+    assert default.microbatch_tokens == 256 and default.grad_checkpointing
+    assert default.info()["grad_checkpointing"] == "above 256 tokens"
+    engine = _engine(tiny_model, dtype="float32", microbatch_tokens=24)
+    layer = engine._checkpoint_layers[0].self_attn
+    data = _data(engine.vocab_size)  # rows of 37, 20 and 9 tokens: 37 alone is over 24
+    calls = []
+    hook = layer.register_forward_hook(lambda *_: calls.append(1))
+    logp, grad = _run(engine, data)
+    hook.remove()
+    # micro-batches [37], [20], [9]: only the first is recomputed in its backward
+    assert len(calls) == 4
+    ref_logp, ref_grad = _plain(fp32, data)
+    np.testing.assert_allclose(logp, ref_logp, atol=1e-5)
+    assert _relative_error(grad, ref_grad) < 1e-5
+
+
 def test_bf16_weights_match_fp32_within_tolerance_and_keep_fp32_lora(tiny_model, fp32):
     engine = _engine(tiny_model, dtype="bfloat16")
     assert engine.model.get_output_embeddings().weight.dtype == torch.bfloat16

@@ -18,8 +18,8 @@ class TorchServerOptions:
     port: int = 8000
     device: str = "auto"
     dtype: str = "auto"
-    grad_checkpointing: bool = True
-    microbatch_tokens: int = 4096
+    grad_checkpointing: bool | None = None  # None: the engine decides (engine.checkpoint_above)
+    microbatch_tokens: int | None = None  # None: the device's default
     max_lora_rank: int = 64
     checkpoints_dir: str = ""
     api_key: str | None = None
@@ -54,12 +54,14 @@ def server_command(options: TorchServerOptions) -> list[str]:
         "--port", str(options.port),
         "--device", options.device,
         "--dtype", options.dtype,
-        "--grad-checkpointing" if options.grad_checkpointing else "--no-grad-checkpointing",
-        "--microbatch-tokens", str(options.microbatch_tokens),
         "--max-lora-rank", str(options.max_lora_rank),
         "--session-timeout", str(options.session_timeout),
         "--max-sample-tokens", str(options.max_sample_tokens),
     ]  # fmt: skip
+    if options.grad_checkpointing is not None:
+        command.append(f"--{'' if options.grad_checkpointing else 'no-'}grad-checkpointing")
+    if options.microbatch_tokens:
+        command += ["--microbatch-tokens", str(options.microbatch_tokens)]
     if options.checkpoints_dir:
         command += ["--checkpoints-dir", options.checkpoints_dir]
     return command  # the API key travels in the environment (API_KEY_ENV), not in `ps`

@@ -44,13 +44,19 @@ def start(
         help="auto | float32 | bfloat16 (auto: bf16 on a GPU with bf16 or a CPU with "
         "AVX512-BF16/AMX, else float32).",
     ),
-    grad_checkpointing: bool = typer.Option(
-        True,
+    grad_checkpointing: bool | None = typer.Option(
+        None,
         "--grad-checkpointing/--no-grad-checkpointing",
-        help="Recompute activations in backward: much less memory for a little more time.",
+        help="Recompute activations in backward: far less memory, about 1.5x the step time. "
+        "Default: always on a GPU; on a CPU only for a sequence longer than --microbatch-tokens.",
+        show_default=False,
     ),
-    microbatch_tokens: int = typer.Option(
-        4096, min=1, help="Padded tokens per forward/backward pass (bounds activation memory)."
+    microbatch_tokens: int | None = typer.Option(
+        None,
+        min=1,
+        help="Padded tokens per forward/backward pass, which bounds activation memory "
+        "(default: 256 on a CPU, 4096 on a GPU).",
+        show_default=False,
     ),
     max_lora_rank: int = typer.Option(64, help="Largest LoRA rank a client may ask for."),
     checkpoints_dir: Path = typer.Option(

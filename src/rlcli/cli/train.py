@@ -37,6 +37,11 @@ def _train(recipe, opts) -> None:
 
         preflight.check_model_arg(opts.model)
         opts.model = local_model(opts.model, report=info)
+    teacher = getattr(opts, "teacher", None)
+    if teacher and not teacher.startswith("tinker://"):  # opsd's --teacher, the same way
+        from rlcli.models import local_model
+
+        opts.teacher = local_model(teacher, report=info)
     stdin = sys.stdin if getattr(opts, "dataset", None) == "-" else None
     plan, data = recipe.prepare(opts, stdin=stdin, dry_run=opts.dry_run)
     preflight.check_run_dir(Path(plan.run_dir))

@@ -30,10 +30,11 @@ from rlcli.server.wire import DatumArrays
 log = logging.getLogger("rlcli.engine")
 
 LORA_ALPHA = 32  # fixed, as on Tinker: the learning rate does not have to move with the rank
-# Padded tokens per forward pass: bounds activation memory (a 30-layer 135M model holds
-# about 1.4 MB of activations per token for the backward pass without gradient checkpointing,
-# about 0.1 MB with it).
-MICROBATCH_TOKENS = 4096
+# Padded tokens per forward pass, by device type: bounds activation memory (a 30-layer 135M
+# model holds about 2 MB of activations per token for the backward pass without gradient
+# checkpointing, about 0.1 MB with it). A CPU computes as fast per token from ~256 tokens up,
+# so it takes small micro-batches instead of recomputing layers; a GPU needs big ones.
+MICROBATCH_TOKENS = {"cuda": 4096, "cpu": 256}
 MAX_LOADED_SAMPLERS = 8  # sampler snapshots kept as live peft adapters (LRU)
 # In-memory sampler snapshots kept for reloading (oldest dropped). RL makes one per step and
 # samples from it for that step only; a LoRA of a 4B model is ~250 MB in float32.
@@ -72,6 +73,25 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
         return torch.bfloat16 if device.type == "cpu" and cpu_has_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def pick_microbatch_tokens(tokens: int | None, device: torch.device) -> int:
+    """``--microbatch-tokens``, or the device's default (``MICROBATCH_TOKENS``)."""
+    return tokens or MICROBATCH_TOKENS.get(device.type, MICROBATCH_TOKENS["cuda"])
+
+
+def checkpoint_above(mode: bool | None, device: torch.device, microbatch_tokens: int) -> float:
+    """Padded tokens above which a micro-batch's layers are recomputed in backward.
+
+    On (True): always (0). Off (False): never. Auto (None): always on a GPU, where memory is
+    what runs out; on a CPU only for a micro-batch over the token budget (a single row longer
+    than it), since there recomputing costs half again the step (a LoRA backward is about one
+    forward) and small micro-batches bound memory at no cost."""
+    if mode is None:
+        mode = True if device.type != "cpu" else None
+    if mode is None:
+        return microbatch_tokens
+    return 0 if mode else math.inf
 
 
 def cpu_has_bf16() -> bool:
@@ -113,8 +133,8 @@ class Engine:
         *,
         device: str = "auto",
         dtype: str = "auto",
-        grad_checkpointing: bool = True,
-        microbatch_tokens: int = MICROBATCH_TOKENS,
+        grad_checkpointing: bool | None = None,
+        microbatch_tokens: int | None = None,
         max_lora_rank: int = 64,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -123,13 +143,18 @@ class Engine:
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.max_lora_rank = max_lora_rank
-        self.microbatch_tokens = microbatch_tokens
+        self.microbatch_tokens = pick_microbatch_tokens(microbatch_tokens, self.device)
         config = AutoConfig.from_pretrained(base_model)
         self.model = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
         self.model.to(self.device)
         self.model.requires_grad_(False)
-        self._checkpoint_layers = self._enable_checkpointing() if grad_checkpointing else []
-        self.grad_checkpointing = bool(self._checkpoint_layers)
+        self._checkpoint_above = checkpoint_above(
+            grad_checkpointing, self.device, self.microbatch_tokens
+        )
+        self._checkpoint_layers = (
+            self._enable_checkpointing() if self._checkpoint_above < math.inf else []
+        )
+        self.grad_checkpointing = bool(self._checkpoint_layers)  # for some micro-batches
         self.model.eval()  # no dropout: logprobs must match between forward and sampling
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self._split_head = self._head_matches_model()
@@ -169,8 +194,11 @@ class Engine:
         return [m for m in self.model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
     @contextlib.contextmanager
-    def _checkpointing(self):
-        layers = self._checkpoint_layers if torch.is_grad_enabled() else []
+    def _checkpointing(self, padded_tokens: int):
+        """Checkpoint the layers for a training forward of ``padded_tokens`` (see
+        ``checkpoint_above``); forward-only passes never."""
+        wanted = torch.is_grad_enabled() and padded_tokens > self._checkpoint_above
+        layers = self._checkpoint_layers if wanted else []
         for layer in layers:
             layer.training = True
         try:
@@ -219,6 +247,10 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_lora_rank": self.max_lora_rank,
+            "microbatch_tokens": self.microbatch_tokens,
+            "grad_checkpointing": {0: "on", math.inf: "off"}.get(
+                self._checkpoint_above, f"above {self.microbatch_tokens} tokens"
+            ),
             "losses": sorted(losses.LOSSES),
         }
 
@@ -385,7 +417,7 @@ class Engine:
         tokens, mask, targets = tokens.to(dev), mask.to(dev), targets.to(dev)
         inputs = {k: v.to(dev) for k, v in inputs.items()}
         targets = targets.flatten(2) if targets.dim() > 2 else targets
-        with self._checkpointing():
+        with self._checkpointing(tokens.numel()):
             if self._split_head:
                 hidden, head = self._hidden_states(tokens, mask), self.head_logits
             else:

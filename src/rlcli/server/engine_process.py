@@ -139,7 +139,7 @@ def engine_main(settings: dict[str, Any], requests, results) -> None:
     """
     import torch
 
-    from rlcli.server.engine import MICROBATCH_TOKENS, Engine
+    from rlcli.server.engine import Engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
     torch.set_num_threads(settings.get("threads") or torch.get_num_threads())
@@ -148,8 +148,8 @@ def engine_main(settings: dict[str, Any], requests, results) -> None:
             settings["base_model"],
             device=settings.get("device", "auto"),
             dtype=settings.get("dtype", "auto"),
-            grad_checkpointing=settings.get("grad_checkpointing", True),
-            microbatch_tokens=settings.get("microbatch_tokens", MICROBATCH_TOKENS),
+            grad_checkpointing=settings.get("grad_checkpointing"),
+            microbatch_tokens=settings.get("microbatch_tokens"),
             max_lora_rank=settings.get("max_lora_rank", 64),
         )
     except Exception as e:

@@ -34,8 +34,8 @@ class Settings:
     base_model: str
     device: str = "auto"
     dtype: str = "auto"
-    grad_checkpointing: bool = True  # recompute activations in backward (memory for time)
-    microbatch_tokens: int = 4096  # padded tokens per forward/backward pass
+    grad_checkpointing: bool | None = None  # recompute activations in backward; None: auto
+    microbatch_tokens: int | None = None  # padded tokens per forward/backward; None: by device
     max_lora_rank: int = 64
     checkpoints_dir: str = ""
     api_key: str | None = None
