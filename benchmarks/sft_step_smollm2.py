@@ -37,7 +37,7 @@ VARIANTS = {
     "defaults": {},  # what `serve start` runs: the engine picks dtype, micro-batch, checkpointing
     "checkpointing_mb4096": {"grad_checkpointing": True, "microbatch_tokens": 4096},
     "no_checkpointing_mb4096": {"grad_checkpointing": False, "microbatch_tokens": 4096},
-    "no_checkpointing_mb512": {"grad_checkpointing": False, "microbatch_tokens": 512},
+    "no_checkpointing_mb256": {"grad_checkpointing": False, "microbatch_tokens": 256},
     "checkpointing_mb512": {"grad_checkpointing": True, "microbatch_tokens": 512},
     "bf16": {"dtype": "bfloat16"},
 }

@@ -123,11 +123,11 @@ def test_checkpointing_recomputes_layers_and_matches(tiny_model, fp32, small_chu
 
 
 def test_auto_checkpointing_on_cpu_recomputes_only_rows_over_the_budget(tiny_model, fp32):
-    """By default a CPU engine takes micro-batches of 256 tokens and checkpoints none of them;
+    """By default a CPU engine takes micro-batches of 512 tokens and checkpoints none of them;
     a row longer than the budget (it cannot be split) is checkpointed, and both match."""
     default = Engine(str(tiny_model), device="cpu", dtype="float32")
-    assert default.microbatch_tokens == 256 and default.grad_checkpointing
-    assert default.info()["grad_checkpointing"] == "above 256 tokens"
+    assert default.microbatch_tokens == 512 and default.grad_checkpointing
+    assert default.info()["grad_checkpointing"] == "above 512 tokens"
     engine = _engine(tiny_model, dtype="float32", microbatch_tokens=24)
     layer = engine._checkpoint_layers[0].self_attn
     data = _data(engine.vocab_size)  # rows of 37, 20 and 9 tokens: 37 alone is over 24

@@ -55,7 +55,7 @@ def start(
         None,
         min=1,
         help="Padded tokens per forward/backward pass, which bounds activation memory "
-        "(default: 256 on a CPU, 4096 on a GPU).",
+        "(default: 512 on a CPU, 4096 on a GPU).",
         show_default=False,
     ),
     max_lora_rank: int = typer.Option(64, help="Largest LoRA rank a client may ask for."),

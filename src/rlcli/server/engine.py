@@ -32,9 +32,10 @@ log = logging.getLogger("rlcli.engine")
 LORA_ALPHA = 32  # fixed, as on Tinker: the learning rate does not have to move with the rank
 # Padded tokens per forward pass, by device type: bounds activation memory (a 30-layer 135M
 # model holds about 2 MB of activations per token for the backward pass without gradient
-# checkpointing, about 0.1 MB with it). A CPU computes as fast per token from ~256 tokens up,
-# so it takes small micro-batches instead of recomputing layers; a GPU needs big ones.
-MICROBATCH_TOKENS = {"cuda": 4096, "cpu": 256}
+# checkpointing, about 0.1 MB with it). A CPU computes about as fast per token from ~256
+# tokens up, so it takes small micro-batches instead of recomputing layers (512: an RL prompt
+# and its 256-token answer in one pass); a GPU needs big ones.
+MICROBATCH_TOKENS = {"cuda": 4096, "cpu": 512}
 MAX_LOADED_SAMPLERS = 8  # sampler snapshots kept as live peft adapters (LRU)
 # In-memory sampler snapshots kept for reloading (oldest dropped). RL makes one per step and
 # samples from it for that step only; a LoRA of a 4B model is ~250 MB in float32.
