@@ -89,9 +89,7 @@ def checkpoint_above(mode: bool | None, device: torch.device, microbatch_tokens:
     than it), since there recomputing costs half again the step (a LoRA backward is about one
     forward) and small micro-batches bound memory at no cost."""
     if mode is None:
-        mode = True if device.type != "cpu" else None
-    if mode is None:
-        return microbatch_tokens
+        return microbatch_tokens if device.type == "cpu" else 0
     return 0 if mode else math.inf
 
 
