@@ -32,15 +32,13 @@ def _train(recipe, opts) -> None:
 
     if opts.wandb_project or opts.wandb_name:
         _require_wandb(opts)
-    if opts.model:  # a .gguf becomes the folder it converts to (what the server serves)
-        from rlcli.models import local_model
+    from rlcli.models import local_model
 
+    if opts.model:  # a .gguf becomes the folder it converts to (what the server serves)
         preflight.check_model_arg(opts.model)
         opts.model = local_model(opts.model, report=info)
     teacher = getattr(opts, "teacher", None)
     if teacher and not teacher.startswith("tinker://"):  # opsd's --teacher, the same way
-        from rlcli.models import local_model
-
         opts.teacher = local_model(teacher, report=info)
     stdin = sys.stdin if getattr(opts, "dataset", None) == "-" else None
     plan, data = recipe.prepare(opts, stdin=stdin, dry_run=opts.dry_run)
