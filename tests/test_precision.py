@@ -142,6 +142,21 @@ def test_auto_checkpointing_on_cpu_recomputes_only_rows_over_the_budget(tiny_mod
     assert _relative_error(grad, ref_grad) < 1e-5
 
 
+def test_microbatch_tokens_below_one_is_refused_not_replaced_by_the_default(capsys):
+    """0 is a mistake, not "auto": the engine and ``python -m rlcli.server`` both refuse it."""
+    from rlcli.server.__main__ import main as server_main
+    from rlcli.server.engine import pick_microbatch_tokens
+
+    cpu = torch.device("cpu")
+    assert pick_microbatch_tokens(None, cpu) == 512 and pick_microbatch_tokens(7, cpu) == 7
+    with pytest.raises(ValueError, match="at least 1"):
+        pick_microbatch_tokens(0, cpu)
+    with pytest.raises(SystemExit) as exited:
+        server_main(["--base-model", "x", "--microbatch-tokens", "0"])
+    assert exited.value.code == 2
+    assert "--microbatch-tokens: must be at least 1" in capsys.readouterr().err
+
+
 def test_bf16_weights_match_fp32_within_tolerance_and_keep_fp32_lora(tiny_model, fp32):
     engine = _engine(tiny_model, dtype="bfloat16")
     assert engine.model.get_output_embeddings().weight.dtype == torch.bfloat16

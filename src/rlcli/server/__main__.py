@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction)
-    parser.add_argument("--microbatch-tokens", type=int, default=None)
+    parser.add_argument("--microbatch-tokens", type=_positive_int, default=None)
     parser.add_argument("--max-lora-rank", type=int, default=64)
     parser.add_argument("--checkpoints-dir", default="")
     parser.add_argument("--api-key", default=os.environ.get("RLCLI_SERVER_API_KEY"))
@@ -48,6 +48,13 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     sys.exit(app.state.exit_code)  # non-zero when the engine died: supervisors restart us
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 if __name__ == "__main__":

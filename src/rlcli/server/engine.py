@@ -78,7 +78,11 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def pick_microbatch_tokens(tokens: int | None, device: torch.device) -> int:
     """``--microbatch-tokens``, or the device's default (``MICROBATCH_TOKENS``)."""
-    return tokens or MICROBATCH_TOKENS.get(device.type, MICROBATCH_TOKENS["cuda"])
+    if tokens is None:
+        return MICROBATCH_TOKENS.get(device.type, MICROBATCH_TOKENS["cuda"])
+    if tokens < 1:
+        raise ValueError(f"microbatch_tokens must be at least 1, got {tokens}")
+    return tokens
 
 
 def checkpoint_above(mode: bool | None, device: torch.device, microbatch_tokens: int) -> float:
