@@ -52,13 +52,33 @@ def test_sampled_logprobs_equal_forward_logprobs(trained):
 
 
 def test_base_model_sampling_ignores_adapters(service, tiny_model, trained):
+    """The engine switches adapters off for the base and back on for an adapter (once per
+    switch, not per forward): each side sees only its own weights, and training still works."""
     trainer, _, prompt = trained
     base = service.create_sampling_client(base_model=str(tiny_model))
     fresh = service.create_lora_training_client(base_model=str(tiny_model), rank=4)
     params = types.SamplingParams(max_tokens=8, seed=3)
     seq = base.sample(prompt, 1, params).result().sequences[0]
-    forward = _forward_logprobs(fresh, prompt.to_ints() + seq.tokens)[-len(seq.tokens) :]
+    full = prompt.to_ints() + seq.tokens
+    forward = _forward_logprobs(fresh, full)[-len(seq.tokens) :]
     np.testing.assert_allclose(seq.logprobs, forward, atol=2e-4)
+
+    tuned = _forward_logprobs(trainer, full)
+    assert np.abs(tuned[-len(seq.tokens) :] - forward).max() > 1e-3  # the adapter is on
+    again = base.sample(prompt, 1, params).result().sequences[0]
+    assert again.tokens == seq.tokens
+    np.testing.assert_allclose(again.logprobs, seq.logprobs, atol=1e-6)
+    np.testing.assert_allclose(_forward_logprobs(trainer, full), tuned, atol=1e-6)
+
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={"target_tokens": full[1:]},
+    )
+    base.sample(prompt, 1, params).result()  # adapters off again right before training
+    fresh.forward_backward([datum], "cross_entropy").result()
+    fresh.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    moved = _forward_logprobs(fresh, full)[-len(seq.tokens) :]
+    assert moved.sum() > forward.sum() + 1e-3  # it learned the sequence it was shown
 
 
 def test_same_seed_same_tokens_and_different_seed_differs(trained):
