@@ -142,6 +142,32 @@ def test_auto_checkpointing_on_cpu_recomputes_only_rows_over_the_budget(tiny_mod
     assert _relative_error(grad, ref_grad) < 1e-5
 
 
+def test_grouped_attention_matches_transformers_sdpa_with_a_mask(fp32):
+    """A CPU engine runs grouped-query attention without repeating keys and values; with a
+    padding mask it gives transformers' sdpa result and gradients (the tiny model has 4 query
+    heads per 2 key/value heads; every padded batch above goes through it too)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rlcli.server import attention
+
+    assert fp32.model.config._attn_implementation == attention.NAME
+    module = fp32.model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 5, 16, generator=gen, requires_grad=True)
+    k = torch.randn(3, 2, 9, 16, generator=gen, requires_grad=True)
+    v = torch.randn(3, 2, 9, 16, generator=gen, requires_grad=True)
+    mask = torch.ones(3, 1, 5, 9, dtype=torch.bool).tril(4)
+    mask[0, ..., :3] = False  # a left-padded row
+    outs, grads = [], []
+    for fn in (attention.grouped_sdpa_forward, sdpa_attention_forward):
+        out, _ = fn(module, q, k, v, mask, scaling=0.25)
+        outs.append(out.detach())
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-5)
+    for mine, theirs in zip(*grads, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
 def test_microbatch_tokens_below_one_is_refused_not_replaced_by_the_default(capsys):
     """0 is a mistake, not "auto": the engine and ``python -m rlcli.server`` both refuse it."""
     from rlcli.server.__main__ import main as server_main

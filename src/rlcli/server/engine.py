@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rlcli.models import end_of_turn_id
-from rlcli.server import checkpoints, finite, logprobs, losses
+from rlcli.server import attention, checkpoints, finite, logprobs, losses
 from rlcli.server.errors import UserError
 from rlcli.server.samplers import SamplerCache
 from rlcli.server.sampling import DecodeBatch, SampleJob, SampleOutput, generate
@@ -151,6 +151,8 @@ class Engine:
         self.model = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
         self.model.to(self.device)
         self.model.requires_grad_(False)
+        if self.device.type == "cpu":
+            attention.use_grouped_sdpa(self.model)
         self._checkpoint_above = checkpoint_above(
             grad_checkpointing, self.device, self.microbatch_tokens
         )
