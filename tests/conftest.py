@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,72 @@ def daemon():
         return docker.check_daemon()
     except RlcliError as e:
         pytest.skip(f"no Docker daemon reachable (run .ci/docker-up.sh): {e}")
+
+
+# ---- helpers shared by several test modules ----------------------------------------------
+
+ANSWER = "zebra zebra zebra"
+
+
+@functools.cache  # test_sample_chat.py and test_export.py share the one trained per server
+def train_zebra(base_url: str, model: str, name: str = "zebra") -> dict[str, str]:
+    """A LoRA taught to answer ANSWER to one chat turn (40 steps, ~7 s on the tiny model):
+    its sampler path, its state path and the training client's run id. Read-only for tests."""
+    import tinker
+    from tinker import types
+    from tinker_cookbook import renderers
+
+    from rlcli.compat import resolve_renderer
+
+    service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
+    trainer = service.create_lora_training_client(base_model=model, rank=16, seed=0)
+    renderer_name, _, tokenizer = resolve_renderer(model, None)
+    renderer = renderers.get_renderer(renderer_name, tokenizer)
+    messages = [
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": ANSWER},
+    ]
+    model_input, weights = renderer.build_supervised_example(messages)
+    ids, weights = model_input.to_ints(), list(weights)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": weights[1:]},
+    )
+    for _ in range(40):
+        trainer.forward_backward([datum], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    return {
+        "sampler": trainer.save_weights_for_sampler(name).result().path,
+        "state": trainer.save_state(name).result().path,
+        "run_id": trainer.model_id,
+    }
+
+
+def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout=120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if len((run_dir / "metrics.jsonl").read_text().splitlines()) >= n:
+                return
+        except FileNotFoundError:
+            pass
+        assert proc.poll() is None, "the run ended before it was interrupted"
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} steps within {timeout}s")
+
+
+def recipe_children(run_dir: Path) -> list[int]:
+    """Live recipe processes for ``run_dir`` (``python -m rlcli.recipes.child RUN_DIR``)."""
+    needle = f"rlcli.recipes.child\0{run_dir}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmdline and state != "Z":
+            pids.append(int(entry))
+    return pids

@@ -16,9 +16,8 @@ import tinker
 import torch
 from tinker import types
 
-from conftest import run_rlcli, start_server
+from conftest import run_rlcli, start_server, train_zebra
 from rlcli.backends import process
-from test_sample_chat import train_zebra
 
 PROBE = "Hello there. zebra zebra zebra, and then some other words."
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI, start_server
+from conftest import RLCLI, recipe_children, start_server, wait_for_steps
 
 EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
 
@@ -41,36 +41,6 @@ def start(argv, run_dir: Path, **popen) -> tuple[subprocess.Popen, Path]:
     popen.setdefault("stdout", subprocess.PIPE)
     proc = subprocess.Popen(argv, stderr=err.open("w"), text=True, **popen)
     return proc, err
-
-
-def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout=120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if len((run_dir / "metrics.jsonl").read_text().splitlines()) >= n:
-                return
-        except FileNotFoundError:
-            pass
-        assert proc.poll() is None, "the run ended before it was interrupted"
-        time.sleep(0.2)
-    raise AssertionError(f"no {n} steps within {timeout}s")
-
-
-def recipe_children(run_dir: Path) -> list[int]:
-    """Live recipe processes for ``run_dir`` (``python -m rlcli.recipes.child RUN_DIR``)."""
-    needle = f"rlcli.recipes.child\0{run_dir}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in cmdline and state != "Z":
-            pids.append(int(entry))
-    return pids
 
 
 def wait_gone(run_dir: Path, timeout=15) -> list[int]:

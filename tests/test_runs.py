@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI, run_rlcli
-from test_run_control import recipe_children, wait_for_steps
+from conftest import RLCLI, recipe_children, run_rlcli, wait_for_steps
 
 EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -6,49 +6,12 @@ are one line each."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 
 import pytest
 
-from conftest import RLCLI, run_rlcli
-
-ANSWER = "zebra zebra zebra"
-
-
-@functools.cache  # test_export.py reuses the one trained on the session server
-def train_zebra(base_url: str, model: str, name: str = "zebra") -> dict[str, str]:
-    """A LoRA taught to answer ANSWER to one chat turn (40 steps, ~7 s on the tiny model):
-    its sampler path, its state path and the training client's run id. Read-only for tests."""
-    import tinker
-    from tinker import types
-    from tinker_cookbook import renderers
-
-    from rlcli.compat import resolve_renderer
-
-    service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
-    trainer = service.create_lora_training_client(base_model=model, rank=16, seed=0)
-    renderer_name, _, tokenizer = resolve_renderer(model, None)
-    renderer = renderers.get_renderer(renderer_name, tokenizer)
-    messages = [
-        {"role": "user", "content": "Hello there"},
-        {"role": "assistant", "content": ANSWER},
-    ]
-    model_input, weights = renderer.build_supervised_example(messages)
-    ids, weights = model_input.to_ints(), list(weights)
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(ids[:-1]),
-        loss_fn_inputs={"target_tokens": ids[1:], "weights": weights[1:]},
-    )
-    for _ in range(40):
-        trainer.forward_backward([datum], "cross_entropy").result()
-        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    return {
-        "sampler": trainer.save_weights_for_sampler(name).result().path,
-        "state": trainer.save_state(name).result().path,
-        "run_id": trainer.model_id,
-    }
+from conftest import RLCLI, run_rlcli, train_zebra
 
 
 @pytest.fixture(scope="module")
