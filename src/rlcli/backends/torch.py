@@ -60,7 +60,7 @@ def server_command(options: TorchServerOptions) -> list[str]:
     ]  # fmt: skip
     if options.grad_checkpointing is not None:
         command.append(f"--{'' if options.grad_checkpointing else 'no-'}grad-checkpointing")
-    if options.microbatch_tokens:
+    if options.microbatch_tokens is not None:  # 0 is refused by the server, not taken as auto
         command += ["--microbatch-tokens", str(options.microbatch_tokens)]
     if options.checkpoints_dir:
         command += ["--checkpoints-dir", options.checkpoints_dir]

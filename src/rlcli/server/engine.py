@@ -269,7 +269,7 @@ class Engine:
         train_attn: bool = True,
         train_unembed: bool = True,
     ) -> dict[str, Any]:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
 
         if name in self.adapters:
             raise UserError(f"model_id {name!r} already exists")
@@ -282,11 +282,7 @@ class Engine:
         config = LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
-            if self.peft is None:
-                self.peft = get_peft_model(self.model, config, adapter_name=name)
-            else:
-                self._adapter_layers(on=True)  # a layer added now would start on
-                self.peft.add_adapter(name, config)
+            self._add_peft_adapter(name, config)
         params = [p for n, p in self.peft.named_parameters() if "lora_" in n and f".{name}." in n]
         for p in params:
             p.requires_grad_(True)
@@ -309,15 +305,20 @@ class Engine:
             self.model = self.peft.unload()
             self.peft = None
 
-    def _add_sampler_adapter(self, name: str, config, state: dict) -> None:
+    def _add_peft_adapter(self, name: str, config) -> None:
+        """A new peft adapter (training or sampler), wrapping the model on the first one."""
         from peft import get_peft_model
-        from peft.utils import set_peft_model_state_dict
 
         if self.peft is None:
             self.peft = get_peft_model(self.model, config, adapter_name=name)
         else:
-            self._adapter_layers(on=True)
+            self._adapter_layers(on=True)  # a layer added now would start on
             self.peft.add_adapter(name, config)
+
+    def _add_sampler_adapter(self, name: str, config, state: dict) -> None:
+        from peft.utils import set_peft_model_state_dict
+
+        self._add_peft_adapter(name, config)
         with torch.no_grad():
             set_peft_model_state_dict(self.peft, state, adapter_name=name)
         for n, p in self.peft.named_parameters():
@@ -325,7 +326,8 @@ class Engine:
                 p.requires_grad_(False)
 
     def _set_adapter(self, name: str) -> None:
-        """peft's set_adapter walks every module (~0.7 ms on the tiny model): skip repeats."""
+        """Adapter ``name`` on (the layers switched on too). peft's set_adapter walks every
+        module (~0.7 ms on the tiny model): skip repeats."""
         self._adapter_layers(on=True)
         if self.peft.active_adapter != name:
             self.peft.set_adapter(name)
