@@ -65,7 +65,7 @@ def summary(samples: list[float]) -> dict:
 
 
 def write(name: str, payload: dict) -> Path:
-    from rlcli.compat import installed_versions
+    from rlcli.versions import installed_versions
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     receipt = {

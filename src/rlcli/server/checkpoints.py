@@ -32,8 +32,13 @@ from typing import Any
 
 from rlcli.server.errors import UserError
 
-KINDS = ("weights", "sampler_weights")
+KINDS = ("weights", "sampler_weights", "external_weights")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Run ids may hold ':' too: tinker>=0.38 names a training client made from a checkpoint
+# ``<session_id>:train:<n>`` and derives that id itself.
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,255}$")
+# What each kind is called in listings (``checkpoint_type``).
+TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 VERSION_PREFIX = ".v-"
 SWEEP_GRACE_S = 120.0  # an unreferenced version lives this long (a reader may still use it)
 
@@ -63,7 +68,8 @@ class CheckpointRef:
 
 def check_name(name: str, field: str = "path") -> str:
     """A checkpoint or run name that stays inside its folder: no '/', no '..', no dotfiles."""
-    if not _NAME.match(name or "") or ".." in name:
+    pattern = _RUN_ID if field == "run_id" else _NAME
+    if not pattern.match(name or "") or ".." in name:
         raise CheckpointError(
             f"{field}: {name!r} is not a valid checkpoint name "
             "(letters, digits, '.', '_', '-'; no '/' or '..')"
@@ -72,7 +78,7 @@ def check_name(name: str, field: str = "path") -> str:
 
 
 def parse_tinker_path(path: str) -> CheckpointRef:
-    """``tinker://<run_id>/<weights|sampler_weights>/<name>`` -> CheckpointRef."""
+    """``tinker://<run_id>/<weights|sampler_weights|external_weights>/<name>`` -> ref."""
     if not path.startswith("tinker://"):
         raise CheckpointError(f"path: {path!r} is not a tinker:// path")
     parts = path.removeprefix("tinker://").split("/")

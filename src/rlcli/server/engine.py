@@ -486,18 +486,20 @@ class Engine:
         state = get_peft_model_state_dict(self.peft, adapter_name=name, save_embedding_layers=False)
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
-    def save_state(self, model_id: str, directory: str, meta: dict) -> dict:
-        """Write the adapter (PEFT format) and its optimizer state, for exact resumes."""
+    def save_state(
+        self, model_id: str, directory: str, meta: dict, with_optimizer: bool = True
+    ) -> dict:
+        """Write the adapter (PEFT format) and, for exact resumes, its optimizer state."""
         adapter = self._require(model_id)
-        checkpoints.write_adapter(
+        version = checkpoints.write_adapter(
             directory,
             self._adapter_state(model_id),
             self.peft.peft_config[model_id],
             self.base_model,
-            optimizer=adapter.optimizer.state_dict(),
+            optimizer=adapter.optimizer.state_dict() if with_optimizer else None,
             meta={**meta, "steps": adapter.steps},
         )
-        return {"path": meta["tinker_path"]}
+        return {"path": meta["tinker_path"], "size_bytes": checkpoints.folder_size(version)}
 
     def load_state(self, model_id: str, directory: str, optimizer: bool, path: str) -> dict:
         """Restore a fresh training client from a checkpoint, all of it or nothing.
@@ -594,8 +596,10 @@ class Engine:
         return results
 
     def add_stops(self, job: SampleJob) -> SampleJob:
-        """The model's EOS ids and end of turn always end a sample, on top of ``stop``."""
-        job.stop_tokens = sorted(set(job.stop_tokens) | set(self.eos_ids))
+        """The model's EOS ids and end of turn end a sample, on top of ``stop`` (unless a
+        tinker>=0.38 client sent ``stop=[]``: no stop at all)."""
+        if job.stop_at_eos:
+            job.stop_tokens = sorted(set(job.stop_tokens) | set(self.eos_ids))
         return job
 
     def decode_batch(self, key: str | None) -> DecodeBatch:

@@ -112,6 +112,26 @@ class SaveState(Op):
 
 
 @dataclass
+class SaveExternal(Op):
+    """tinker>=0.38 ``save_weights_external``: the adapter alone, as files to download."""
+
+    model_id: str
+    directory: str
+    meta: dict[str, Any]
+
+    def run(self, engine: Engine) -> Any:
+        return engine.save_state(self.model_id, self.directory, self.meta, with_optimizer=False)
+
+    @staticmethod
+    def answer(value: Any, accept_proto: bool) -> Any:
+        return {
+            "type": "save_weights_external",
+            "path": value["path"],
+            "size_bytes": value["size_bytes"],
+        }
+
+
+@dataclass
 class LoadState(Op):
     model_id: str
     directory: str

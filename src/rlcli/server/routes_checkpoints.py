@@ -4,15 +4,23 @@ writes the files (``checkpoints.py``); this side names, checks and records them.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from pathlib import Path
 
 from fastapi import APIRouter, HTTPException
 
-from rlcli.server import checkpoints, ops
+from rlcli.server import checkpoints, generations, ops
 from rlcli.server.checkpoints import CheckpointRef
-from rlcli.server.schemas import LoadWeights, SaveWeights, WeightsInfo
+from rlcli.server.routes_training import check_optimizer, new_training_client
+from rlcli.server.schemas import (
+    LoadWeights,
+    LoraConfig,
+    SaveWeights,
+    SaveWeightsExternal,
+    WeightsInfo,
+)
 from rlcli.server.state import SamplerRef, ServerState, State
 
 router = APIRouter(prefix="/api/v1")
@@ -31,6 +39,33 @@ def resolve_checkpoint(state: ServerState, path: str) -> tuple[CheckpointRef, Pa
 @router.post("/save_weights")
 async def save_weights(body: SaveWeights, state: State):
     return _save(state, body, kind="weights")
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(body: SaveWeightsExternal, state: State):
+    """tinker>=0.38: the adapter as plain files under ``tinker://<run>/external_weights/<name>``,
+    fetched through ``external_weights_urls`` (``tinker checkpoint download``)."""
+    record = state.model(body.model_id)
+    refusal = generations.needs_current("save_weights_external", _session_version(state, record))
+    if refusal:
+        raise HTTPException(400, refusal)
+    if body.age_encryption_recipients:
+        raise HTTPException(
+            400,
+            "age_encryption_recipients: encrypted exports are not implemented on this server "
+            "(it serves the files to this machine only); export without recipients",
+        )
+    meta = _meta(state, record, "external_weights", body.path, body.ttl_seconds)
+    folder = str(CheckpointRef(body.model_id, "external_weights", body.path).folder(
+        state.checkpoints_root
+    ))  # fmt: skip
+    op = ops.SaveExternal(body.model_id, folder, meta)
+    return state.submit_for(record, op, body.seq_id, body.model_dump_json().encode())
+
+
+def _session_version(state: ServerState, record) -> str | None:
+    session = state.sessions.get(record.session_id)
+    return session.sdk_version if session else None
 
 
 @router.post("/save_weights_for_sampler")
@@ -52,6 +87,8 @@ async def save_weights_for_sampler(body: SaveWeights, state: State):
 
 @router.post("/load_weights")
 async def load_weights(body: LoadWeights, state: State):
+    if body.session_id is not None or body.model_id is None:
+        return _create_via_load(body, state)
     record = state.model(body.model_id)
     retry = bool(body.seq_id) and body.seq_id in record.seen  # answered by submit_for
     if record.requests and not retry:
@@ -64,6 +101,45 @@ async def load_weights(body: LoadWeights, state: State):
     _, folder = resolve_checkpoint(state, body.path)
     op = ops.LoadState(body.model_id, str(folder), body.optimizer, body.path)
     return state.submit_for(record, op, body.seq_id, body.model_dump_json().encode())
+
+
+def _create_via_load(body: LoadWeights, state: ServerState) -> dict:
+    """tinker>=0.38: a new training client made from a checkpoint in one request. Its id is
+    the one the client derives, ``<session_id>:train:<model_seq_id>``; its LoRA config is the
+    checkpoint's run's. A resent request (same body) gets the first one's future."""
+    if body.session_id is None or body.model_seq_id is None:
+        raise HTTPException(
+            400, "load_weights: send model_id and seq_id (load into a training client), or "
+            "session_id and model_seq_id (create one from the checkpoint)",
+        )  # fmt: skip
+    session = state.session(body.session_id)
+    refusal = generations.needs_current("session_id", session.sdk_version)
+    if refusal:
+        raise HTTPException(400, f"{refusal} (create via load_weights)")
+    state.engine_info()
+    check_optimizer(body.optimizer_config)
+    if body.base_model is not None:
+        state.check_base_model(body.base_model)
+    model_id = f"{body.session_id}:train:{body.model_seq_id}"
+    payload = body.model_dump_json().encode()
+    existing = state.models.get(model_id)
+    if existing is not None or model_id in state.finished_models:
+        seen = state.model(model_id).seen.get(0)
+        if seen is not None and seen[0] == hashlib.sha256(payload).hexdigest():
+            return seen[1]
+        raise HTTPException(409, f"model_seq_id: {body.model_seq_id} is taken in this session")
+    ref, folder = resolve_checkpoint(state, body.path)
+    run = checkpoints.read_run(state.checkpoints_root, ref.run_id) or {}
+    try:
+        lora = LoraConfig.model_validate(run.get("lora") or {})
+    except ValueError:
+        raise HTTPException(409, f"path: {body.path} has no readable LoRA config") from None
+    op = ops.LoadState(model_id, str(folder), body.optimizer, body.path)
+    future = new_training_client(
+        state, model_id, body.session_id, lora, body.user_metadata, then=op, payload=payload
+    )
+    state.models[model_id].seen[0] = (hashlib.sha256(payload).hexdigest(), future)
+    return future
 
 
 @router.post("/weights_info")
@@ -81,20 +157,23 @@ async def weights_info(body: WeightsInfo, state: State):
     }
 
 
-def _save(state: ServerState, body: SaveWeights, kind: str) -> dict:
-    record = state.model(body.model_id)
-    name = checkpoints.check_name(body.path or "")
-    ref = CheckpointRef(body.model_id, kind, name)
-    folder = str(ref.folder(state.checkpoints_root))
-    meta = {
+def _meta(state: ServerState, record, kind: str, name: str, ttl_seconds: int | None) -> dict:
+    ref = CheckpointRef(record.model_id, kind, checkpoints.check_name(name or ""))
+    return {
         "checkpoint_id": ref.checkpoint_id,
-        "checkpoint_type": "training" if kind == "weights" else "sampler",
+        "checkpoint_type": checkpoints.TYPES[kind],
         "tinker_path": ref.tinker_path,
-        "training_run_id": body.model_id,
+        "training_run_id": record.model_id,
         "base_model": record.base_model,
-        "expires_at": time.time() + body.ttl_seconds if body.ttl_seconds else None,
+        "expires_at": time.time() + ttl_seconds if ttl_seconds else None,
         "public": False,
     }
+
+
+def _save(state: ServerState, body: SaveWeights, kind: str) -> dict:
+    record = state.model(body.model_id)
+    meta = _meta(state, record, kind, body.path or "", body.ttl_seconds)
+    folder = str(CheckpointRef(body.model_id, kind, body.path).folder(state.checkpoints_root))
     if kind == "weights":
         op = ops.SaveState(body.model_id, folder, meta)
     else:  # also kept as sampler weights, so sampling from it needs no reload

@@ -19,7 +19,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
-from rlcli.server import checkpoints, ops
+from rlcli.server import checkpoints, generations, ops
 from rlcli.server.checkpoints import CheckpointRef
 from rlcli.server.engine_process import EngineUnavailable
 from rlcli.server.schemas import SetTtl
@@ -29,9 +29,11 @@ router = APIRouter(prefix="/api/v1")
 public = APIRouter()  # the archive link: the CLI fetches it with plain urllib and no key
 
 ARCHIVE_TTL_S = 15 * 60
-ARCHIVE_FILES = ("adapter_config.json", "adapter_model.safetensors", "checkpoint.json")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT adapter
+ARCHIVE_FILES = (*ADAPTER_FILES, "checkpoint.json")
 WITH_OPTIMIZER = "o-"  # archive tokens that include optimizer.pt and run.json start so;
-PLAIN = "a-"  # the others start so (a bare random token could begin with "o-")
+PLAIN = "a-"  # the others start so (a bare random token could begin with "o-");
+EXTERNAL = "x-"  # tokens of an external weights checkpoint's files (tinker>=0.38) start so
 
 
 def iso(ts: float | None) -> str | None:
@@ -54,12 +56,20 @@ def _cursor(offset: int, limit: int, total: int) -> dict[str, int]:
     return {"offset": offset, "limit": limit, "total_count": total}
 
 
+def _visible(request: Request, saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A legacy client's strict models reject the ``external`` checkpoint type: hide those."""
+    if not generations.is_legacy(generations.header_version(request.headers)):
+        return saved
+    return [meta for meta in saved if meta.get("checkpoint_type") != "external"]
+
+
 def _run_json(state: ServerState, run: dict[str, Any]) -> dict[str, Any]:
     run_id = run["training_run_id"]
     saved = checkpoints.list_checkpoints(state.checkpoints_root, run_id)
     last = {kind: None for kind in ("training", "sampler")}
     for meta in saved:  # oldest first: the last one of each type wins
-        last[meta["checkpoint_type"]] = checkpoint_json(meta)
+        if meta["checkpoint_type"] in last:
+            last[meta["checkpoint_type"]] = checkpoint_json(meta)
     live = state.models.get(run_id)
     last_request = max(
         [run.get("created", 0)] + [m.get("created", 0) for m in saved]
@@ -90,7 +100,9 @@ def _find_checkpoint(state: ServerState, run_id: str, kind: str, name: str) -> t
     """(the checkpoint's name on disk, the version folder it points to now); 400 / 404."""
     if kind not in checkpoints.KINDS:
         raise HTTPException(
-            400, f"checkpoint_id: {kind}/{name!r} is not weights/<name> or sampler_weights/<name>"
+            400,
+            f"checkpoint_id: {kind}/{name!r} is not weights/<name>, sampler_weights/<name> or "
+            "external_weights/<name>",
         )
     ref = CheckpointRef(
         checkpoints.check_name(run_id, "run_id"), kind, checkpoints.check_name(name)
@@ -118,9 +130,9 @@ async def get_training_run(run_id: str, state: State):
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
-async def list_run_checkpoints(run_id: str, state: State):
+async def list_run_checkpoints(run_id: str, request: Request, state: State):
     _find_run(state, run_id)
-    saved = checkpoints.list_checkpoints(state.checkpoints_root, run_id)
+    saved = _visible(request, checkpoints.list_checkpoints(state.checkpoints_root, run_id))
     return {
         "checkpoints": [checkpoint_json(m) for m in saved],
         "cursor": _cursor(0, len(saved), len(saved)),
@@ -128,13 +140,13 @@ async def list_run_checkpoints(run_id: str, state: State):
 
 
 @router.get("/checkpoints")
-async def list_all_checkpoints(state: State, limit: int = 100, offset: int = 0):
+async def list_all_checkpoints(request: Request, state: State, limit: int = 100, offset: int = 0):
     root = state.checkpoints_root
-    saved = [
+    saved = _visible(request, [
         meta
         for run in checkpoints.list_runs(root)[::-1]  # newest runs first
         for meta in checkpoints.list_checkpoints(root, run["training_run_id"])
-    ]
+    ])  # fmt: skip
     page = saved[max(0, offset) : max(0, offset) + max(0, limit)]
     return {
         "checkpoints": [checkpoint_json(m) for m in page],
@@ -187,6 +199,45 @@ async def set_checkpoint_ttl(run_id: str, kind: str, name: str, body: SetTtl, st
     checkpoints.update_meta(version, expires_at=expires)
 
 
+@router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
+async def external_weights_urls(run_id: str, kind: str, name: str, request: Request, state: State):
+    """tinker>=0.38: one link per file of an external weights checkpoint (a PEFT adapter),
+    served by this server without a key (the CLI fetches them with plain urllib)."""
+    if kind != "external_weights":
+        raise HTTPException(
+            400, f"checkpoint_id: {kind}/{name}: only external_weights/<name> has file links "
+            "(save_weights_external makes one)",
+        )  # fmt: skip
+    folder, _ = _find_checkpoint(state, run_id, kind, name)
+    now = time.time()
+    token = _issue_token(state, EXTERNAL, folder, now)
+    base = str(request.base_url).rstrip("/")
+    urls = {f: f"{base}/rlcli/external/{token}/{f}" for f in ADAPTER_FILES}
+    return {"urls": urls, "expires": iso(now + ARCHIVE_TTL_S)}
+
+
+def _issue_token(state: ServerState, prefix: str, folder: Path, now: float) -> str:
+    for token in [t for t, (_, exp) in state.archives.items() if exp < now]:
+        del state.archives[token]
+    # The choice is remembered with the token: only tokens the server issued are in the table.
+    token = prefix + secrets.token_urlsafe(24)
+    state.archives[token] = (folder, now + ARCHIVE_TTL_S)
+    return token
+
+
+@public.get("/rlcli/external/{token}/{filename}")
+async def download_external_file(token: str, filename: str, state: State):
+    entry = state.archives.get(token)
+    if not token.startswith(EXTERNAL) or entry is None or entry[1] < time.time():
+        raise HTTPException(404, "file link unknown or expired; ask for new links")
+    if filename not in ADAPTER_FILES:
+        raise HTTPException(404, f"filename: {filename!r} is not a file of this checkpoint")
+    version = checkpoints.resolve(entry[0])
+    if version is None:
+        raise HTTPException(404, "the checkpoint was deleted")
+    return FileResponse(version / filename, filename=filename)
+
+
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/archive")
 async def checkpoint_archive(
     run_id: str,
@@ -209,11 +260,7 @@ async def checkpoint_archive(
             if not needed.is_file():
                 raise HTTPException(409, f"include_optimizer: {run_id} has no {needed.name}")
     now = time.time()
-    for token in [t for t, (_, exp) in state.archives.items() if exp < now]:
-        del state.archives[token]
-    # The choice is remembered with the token: only tokens the server issued are in the table.
-    token = (WITH_OPTIMIZER if include_optimizer else PLAIN) + secrets.token_urlsafe(24)
-    state.archives[token] = (folder, now + ARCHIVE_TTL_S)
+    token = _issue_token(state, WITH_OPTIMIZER if include_optimizer else PLAIN, folder, now)
     url = str(request.base_url).rstrip("/") + f"/rlcli/archives/{token}.tar"
     return {"url": url, "expires": iso(now + ARCHIVE_TTL_S)}
 
@@ -221,7 +268,7 @@ async def checkpoint_archive(
 @public.get("/rlcli/archives/{token}.tar")
 async def download_archive(token: str, state: State):
     entry = state.archives.get(token)
-    if entry is None or entry[1] < time.time():
+    if token.startswith(EXTERNAL) or entry is None or entry[1] < time.time():
         raise HTTPException(404, "archive link unknown or expired; ask for a new one")
     folder = entry[0]
     version = checkpoints.resolve(folder)  # the version current now, read whole

@@ -7,10 +7,10 @@ import uuid
 import numpy as np
 from fastapi import APIRouter, HTTPException
 
-from rlcli.server import checkpoints, ops
+from rlcli.server import checkpoints, generations, ops
 from rlcli.server.routes_checkpoints import resolve_checkpoint
 from rlcli.server.sampling import SampleJob
-from rlcli.server.schemas import CreateSamplingSession, Sample
+from rlcli.server.schemas import CreateSamplingSession, Sample, TensorData
 from rlcli.server.state import SamplerRef, ServerState, State
 from rlcli.server.validate import RequestError, check_token_ids
 
@@ -45,9 +45,22 @@ async def asample(body: Sample, state: State):
             )
     else:
         ref = _sampler_ref(state, body.model_path, body.base_model, None)
+    session = state.session_of_sampler(ref)
+    version = session.sdk_version if session else None
+    for name in generations.NEW_SAMPLE_FIELDS:
+        refusal = generations.needs_current(name, version) if getattr(body, name) else None
+        if refusal:
+            raise HTTPException(400, refusal)
     job = _sample_job(body, info, state.settings.max_sample_tokens)
+    if body.sampling_params.stop == [] and not generations.is_legacy(version):
+        job.stop_at_eos = False  # tinker>=0.38: `stop=[]` disables every stop, EOS too
     job.sampler = ref.key
-    return state.submit(ops.Sample(job))
+    future = state.submit(ops.Sample(job))
+    # One id per sample, fixed now (tinker>=0.38 asserts them; older clients ignore them).
+    future["sample_sequence_ids"] = [
+        f"{future['request_id']}:{i}" for i in range(body.num_samples)
+    ]
+    return future
 
 
 def _sampler_ref(
@@ -101,6 +114,23 @@ def _sample_job(body: Sample, info: dict, max_sample_tokens: int) -> SampleJob:
         check_token_ids(np.asarray(stop_tokens), info["vocab_size"], "sampling_params.stop")
     if len(stop_strings) > 64 or any(len(s) > 1024 for s in stop_strings):
         raise RequestError("sampling_params.stop: at most 64 strings of at most 1024 characters")
+    if body.record_stability_info:
+        raise RequestError(
+            "record_stability_info: stability records (for the stable_reinforce loss) are not "
+            "kept on this server; train with importance_sampling or ppo instead"
+        )
+    last_n = body.prompt_logprobs_last_n
+    if last_n is not None:
+        if not body.prompt_logprobs:
+            raise RequestError("prompt_logprobs_last_n: needs prompt_logprobs=true")
+        if last_n > len(prompt) - 1:
+            raise RequestError(
+                f"prompt_logprobs_last_n: {last_n} is more than the {len(prompt) - 1} prompt "
+                "tokens that can be scored (the first has no context)"
+            )
+    target = sparse = None
+    if body.target_prompt_logprobs is not None:
+        target, sparse = _target_ids(body.target_prompt_logprobs, len(prompt), info["vocab_size"])
     return SampleJob(
         prompt=prompt,
         num_samples=body.num_samples,
@@ -113,4 +143,50 @@ def _sample_job(body: Sample, info: dict, max_sample_tokens: int) -> SampleJob:
         stop_strings=[s for s in stop_strings if s],
         prompt_logprobs=bool(body.prompt_logprobs),
         topk_prompt_logprobs=body.topk_prompt_logprobs,
+        prompt_logprobs_last_n=last_n,
+        topk_sample_logprobs=body.topk_sample_logprobs,
+        target_prompt=target,
+        target_sparse=sparse,
+        prompt_alt_k=body.prompt_alt_tokens_k,
     )
+
+
+MAX_TARGET_CELLS = 1 << 22  # target_prompt_logprobs: cells per request (4M int64 = 32 MB)
+
+
+def _target_ids(
+    tensor: TensorData, n: int, vocab: int
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """``target_prompt_logprobs`` as a dense int64 [n - 1, K] array, -1 where nothing is asked,
+    and its sparse layout (crow, col) if it came sparse; 400 naming what does not fit."""
+    where = "target_prompt_logprobs"
+    shape = tensor.shape
+    if shape is None or len(shape) != 2 or shape[0] != n - 1:
+        raise RequestError(f"{where}.shape: {shape} is not [len(prompt) - 1, K] = [{n - 1}, K]")
+    if shape[0] * shape[1] > MAX_TARGET_CELLS:
+        raise RequestError(f"{where}.shape: {shape} asks for more than {MAX_TARGET_CELLS} cells")
+    if tensor.dtype not in ("int64", "int32"):
+        raise RequestError(f"{where}.dtype: {tensor.dtype!r}; token ids are int64")
+    values = np.asarray(tensor.data, dtype=np.int64)
+    sparse = None
+    if tensor.sparse_crow_indices is None:
+        if values.size != shape[0] * shape[1]:
+            raise RequestError(f"{where}.data: {values.size} values for the shape {shape}")
+        dense = values.reshape(shape)
+    else:
+        crow = np.asarray(tensor.sparse_crow_indices, dtype=np.int64)
+        col = np.asarray(tensor.sparse_col_indices or [], dtype=np.int64)
+        if (
+            len(crow) != shape[0] + 1 or len(col) != len(values) or crow[0] != 0
+            or crow[-1] != len(values) or np.any(np.diff(crow) < 0)
+            or (col.size and (col.min() < 0 or col.max() >= shape[1]))
+        ):  # fmt: skip
+            raise RequestError(f"{where}: inconsistent sparse CSR indices for the shape {shape}")
+        dense = np.full(shape, -1, dtype=np.int64)
+        rows = np.repeat(np.arange(shape[0]), np.diff(crow))
+        dense[rows, col] = values
+        sparse = (crow, col)
+    asked = dense[dense != -1]
+    if asked.size and (asked.min() < 0 or asked.max() >= vocab):
+        raise RequestError(f"{where}: a token id is outside 0..{vocab - 1} (-1 asks for nothing)")
+    return dense, sparse

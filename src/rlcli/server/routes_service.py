@@ -9,10 +9,10 @@ import uuid
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from rlcli import compat
-from rlcli.server import losses, wire
-from rlcli.server.schemas import CreateSession, RetrieveFuture, SessionRef
+from rlcli.server import generations, losses, wire
+from rlcli.server.schemas import CreateSession, FinishSession, RetrieveFuture, SessionRef
 from rlcli.server.state import SessionRecord, State
+from rlcli.versions import installed_versions
 
 POLL_SECONDS = 35.0  # long-poll window of retrieve_future; the client waits up to 45 s
 
@@ -42,13 +42,13 @@ async def status(state: State):
         "models": len(state.models),
         "sampling_sessions": len(state.sampling_sessions),
         "pending_requests": state.futures.pending_count,
-        "versions": compat.installed_versions(),
+        "versions": installed_versions(),
     }
 
 
 @router.post("/client/config")
 async def client_config():
-    return compat.CLIENT_CONFIG
+    return generations.CLIENT_CONFIG
 
 
 @router.post("/client/dynamic_config")
@@ -70,8 +70,16 @@ async def create_session(body: CreateSession, state: State):
 
 @router.post("/session_heartbeat")
 async def session_heartbeat(body: SessionRef, state: State):
-    state.session(body.session_id).last_heartbeat = time.time()
+    state.session(body.session_id).last_heartbeat = time.time()  # 410 once finished
     return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, body: FinishSession, state: State):
+    """tinker>=0.38 ``ServiceClient.close(status)``: the session ends, first reason wins."""
+    reason = body.reason.type + (f": {body.detail}" if body.detail else "")
+    state.finish_session(session_id, reason)
+    return {"type": "finish_session", "session_id": session_id}
 
 
 @router.get("/get_server_capabilities")

@@ -8,8 +8,8 @@ import uuid
 from fastapi import APIRouter, HTTPException, Request
 
 from rlcli.server import checkpoints, ops, wire
-from rlcli.server.schemas import CreateModel, LoraConfig, ModelRef, OptimStep
-from rlcli.server.state import ModelRecord, State
+from rlcli.server.schemas import CreateModel, LoraConfig, ModelRef, OptimizerConfig, OptimStep
+from rlcli.server.state import ModelRecord, ServerState, State
 from rlcli.server.validate import validate_forward_backward
 
 router = APIRouter(prefix="/api/v1")
@@ -22,6 +22,7 @@ async def create_model(body: CreateModel, state: State):
     info = state.engine_info()
     state.session(body.session_id)
     state.check_base_model(body.base_model)
+    check_optimizer(body.optimizer_config)
     lora = body.lora_config or LoraConfig()
     if lora.rank > info["max_lora_rank"]:
         raise HTTPException(
@@ -32,13 +33,33 @@ async def create_model(body: CreateModel, state: State):
     if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
         raise HTTPException(400, "lora_config: train_mlp, train_attn and train_unembed are all off")
     model_id = str(uuid.uuid4())
+    return new_training_client(state, model_id, body.session_id, lora, body.user_metadata)
+
+
+def check_optimizer(config: OptimizerConfig | None) -> None:
+    if config is not None and config.type != "adamw":
+        raise HTTPException(
+            400,
+            f"optimizer_config.type: {config.type!r} is not implemented on this server; "
+            "use the default, AdamW (optimizer_config {'type': 'adamw'})",
+        )
+
+
+def new_training_client(
+    state: ServerState,
+    model_id: str,
+    session_id: str,
+    lora: LoraConfig,
+    user_metadata: dict | None,
+    then: ops.Op | None = None,
+    payload: bytes = b"",
+) -> dict:
+    """Record a training client and queue the creation of its adapter (and ``then``, its
+    first operation, whose future is answered instead: create via load)."""
     record = ModelRecord(
-        model_id,
-        body.session_id,
-        state.settings.base_model,
-        lora.model_dump(),
-        dict(body.user_metadata or {}),
-    )
+        model_id, session_id, state.settings.base_model, lora.model_dump(),
+        dict(user_metadata or {}),
+    )  # fmt: skip
     checkpoints.write_run(
         state.checkpoints_root,
         model_id,
@@ -46,7 +67,7 @@ async def create_model(body: CreateModel, state: State):
             "training_run_id": model_id,
             "base_model": record.base_model,
             "lora": record.lora,
-            "session_id": body.session_id,
+            "session_id": session_id,
             "user_metadata": record.user_metadata,
             "created": record.created,
         },
@@ -58,6 +79,8 @@ async def create_model(body: CreateModel, state: State):
         model_id,
     )
     state.models[model_id] = record
+    if then is not None:
+        future = state.submit_for(record, then, None, payload)
     return future
 
 

@@ -33,6 +33,20 @@ class SampleJob:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     sampler: str | None = None  # engine adapter name; None = the base model
+    stop_at_eos: bool = True  # False: a tinker>=0.38 `stop=[]`, no stop at all
+    # tinker>=0.38 extras, all from the one prefill (prompt) or decode (samples) pass:
+    prompt_logprobs_last_n: int | None = None  # score only the last N prompt tokens
+    topk_sample_logprobs: int = 0  # top-k logprobs at every sampled token
+    target_prompt: np.ndarray | None = None  # int64 [N - 1, K] token ids, -1: nothing asked
+    target_sparse: tuple[np.ndarray, np.ndarray] | None = None  # the request's CSR layout
+    prompt_alt_k: int = 0  # draws per prompt position at the request's temperature
+
+    @property
+    def wants_prompt(self) -> bool:
+        return bool(
+            self.prompt_logprobs or self.topk_prompt_logprobs or self.prompt_alt_k
+            or self.target_prompt is not None
+        )  # fmt: skip
 
 
 @dataclass
@@ -40,6 +54,36 @@ class SampleOutput:
     sequences: list[tuple[np.ndarray, np.ndarray, str]]  # (tokens int32, logprobs f32, reason)
     prompt_logprobs: np.ndarray | None = None  # float32 [N], NaN first
     topk_prompt: tuple[np.ndarray, np.ndarray] | None = None  # ([N, k] int32, [N, k] f32)
+    # Per sequence, ([T, k] int32, [T, k] f32): topk_sample_logprobs.
+    topk_sampled: list[tuple[np.ndarray, np.ndarray]] | None = None
+    target_prompt: np.ndarray | None = None  # float32 [N - 1, K], 0.0 where nothing was asked
+    target_layout: tuple[np.ndarray, np.ndarray] | None = None  # answered sparse, like asked
+    prompt_alt: tuple[np.ndarray, np.ndarray] | None = None  # ([N - 1, k] int32, f32)
+
+
+def prompt_extras(
+    logits: torch.Tensor, job: SampleJob, generator: torch.Generator | None
+) -> dict[str, object]:
+    """The tinker>=0.38 prompt outputs of one row's prefill logits [N, V]: target token
+    logprobs and alternative draws (row i is about prompt position i + 1)."""
+    out: dict[str, object] = {}
+    logp = logits[:-1].float().log_softmax(-1)
+    if job.target_prompt is not None:
+        ids = torch.from_numpy(job.target_prompt).to(logp.device)
+        values = logp.gather(-1, ids.clamp(min=0)).masked_fill(ids < 0, 0.0)
+        out["target_prompt"] = values.cpu().numpy().astype(np.float32)
+    if job.prompt_alt_k:
+        scaled = logits[:-1].float() / max(job.temperature, 1e-6)
+        probs = scaled.softmax(-1).cpu()
+        if job.temperature <= 0:
+            tokens = probs.argmax(-1, keepdim=True).expand(-1, job.prompt_alt_k)
+        else:
+            tokens = torch.multinomial(
+                probs, job.prompt_alt_k, replacement=True, generator=generator
+            )
+        lps = logp.cpu().gather(-1, tokens)
+        out["prompt_alt"] = (tokens.numpy().astype(np.int32), lps.numpy().astype(np.float32))
+    return out
 
 
 def filter_logits(
@@ -165,6 +209,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reason: str | None = None  # set when finished
+    topk: list[tuple[np.ndarray, np.ndarray]] | None = None  # topk_sample_logprobs, per token
 
 
 class DecodeBatch:
@@ -204,7 +249,7 @@ class DecodeBatch:
         input_ids, attention, positions = (t.to(dev) for t in (input_ids, attention, positions))
         # Logits over the whole prompt only when prompt logprobs are wanted: [rows, width,
         # vocab] floats is gigabytes for a 50k vocabulary.
-        want_prompt = any(job.prompt_logprobs or job.topk_prompt_logprobs for job in jobs)
+        want_prompt = any(job.wants_prompt for job in jobs)
         cache = self._new_cache()
         out = self.model(
             input_ids=input_ids,
@@ -218,13 +263,25 @@ class DecodeBatch:
         for j, (job, ticket) in enumerate(zip(jobs, tickets, strict=True)):
             entry = _Job(job, ticket, SampleOutput(sequences=[None] * job.num_samples), 0)
             entry.stops = frozenset(job.stop_tokens)
+            n = len(job.prompt)
             if job.prompt_logprobs or job.topk_prompt_logprobs:
-                n = len(job.prompt)
                 values, top = prompt_logprob_arrays(
                     logits[j, width - n :], torch.from_numpy(job.prompt).to(dev),
                     job.topk_prompt_logprobs,
                 )  # fmt: skip
+                if job.prompt_logprobs_last_n is not None:  # scored: the last N only
+                    values[: n - job.prompt_logprobs_last_n] = np.nan
                 entry.output.prompt_logprobs, entry.output.topk_prompt = values, top
+            if job.prompt_alt_k or job.target_prompt is not None:
+                generator = None
+                if job.seed is not None:
+                    generator = torch.Generator().manual_seed(row_seed(job.seed, 2**20))
+                extras = prompt_extras(logits[j, width - n :], job, generator)
+                entry.output.target_prompt = extras.get("target_prompt")
+                entry.output.target_layout = job.target_sparse
+                entry.output.prompt_alt = extras.get("prompt_alt")
+            if job.topk_sample_logprobs:
+                entry.output.topk_sampled = [None] * job.num_samples
             if job.max_tokens == 0 or job.num_samples == 0:  # nothing to sample
                 empty = (np.zeros(0, np.int32), np.zeros(0, np.float32), "length")
                 entry.output.sequences = [empty] * job.num_samples
@@ -235,7 +292,10 @@ class DecodeBatch:
                 generator = None
                 if job.seed is not None:
                     generator = torch.Generator().manual_seed(row_seed(job.seed, s))
-                entries.append(_Row(entry, s, generator))
+                row = _Row(entry, s, generator)
+                if job.topk_sample_logprobs:
+                    row.topk = []
+                entries.append(row)
                 expand.append(j)
         next_logits = logits[:, -1, :].float()
         del out, logits
@@ -297,6 +357,7 @@ class DecodeBatch:
         self._top_k = per_row("top_k", torch.long)
         self._top_p = per_row("top_p", torch.float32)
         self._filter = bool((self._top_k > 0).any() or (self._top_p < 1).any())
+        self._topk_sampled = max(row.job.job.topk_sample_logprobs for row in self.rows)
         greedy = (self._temperature <= 0).tolist()
         rows = self.rows
         self._random = [r for r in range(len(rows)) if not greedy[r]]
@@ -307,12 +368,16 @@ class DecodeBatch:
         """Sample one token for every row, drop the rows that finished, run the model once on
         the rest. Returns the requests whose last row just finished."""
         chosen, chosen_logp = self._draw()
+        top = self._top_sampled()
         done = []
         keep = []
         for r, row in enumerate(self.rows):
             token = chosen_logp[0][r]
             row.tokens.append(token)
             row.logprobs.append(chosen_logp[1][r])
+            if top is not None and row.topk is not None:
+                k = row.job.job.topk_sample_logprobs
+                row.topk.append((top[0][r, :k], top[1][r, :k]))
             job = row.job.job
             if token in row.job.stops or _hits_stop_string(
                 row.tokens, job.stop_strings, self.decode
@@ -329,6 +394,11 @@ class DecodeBatch:
                 np.asarray(row.logprobs, dtype=np.float32),
                 row.reason,
             )
+            if row.topk is not None:
+                entry.output.topk_sampled[row.sample] = (
+                    np.stack([ids for ids, _ in row.topk]).astype(np.int32),
+                    np.stack([lps for _, lps in row.topk]).astype(np.float32),
+                )
             entry.left -= 1
             if entry.left == 0:
                 done.append((entry.ticket, entry.output))
@@ -351,6 +421,15 @@ class DecodeBatch:
         self._next_logits = out.logits[:, -1, :].float()
         self.steps += 1
         return done
+
+    def _top_sampled(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The top-k (the largest k any row asks for) of this step's distributions, for
+        ``topk_sample_logprobs``; None when no row asks (the common case costs nothing)."""
+        k = self._topk_sampled
+        if not k:
+            return None
+        best = self._next_logits.log_softmax(-1).topk(min(k, self._next_logits.shape[-1]), -1)
+        return best.indices.cpu().numpy(), best.values.cpu().numpy()
 
     def _draw(self) -> tuple[torch.Tensor, tuple[list[int], list[float]]]:
         """Each row's next token (its own temperature / top-k / top-p / generator) and the

@@ -1,14 +1,16 @@
 """Request bodies, typed at the boundary: no handler ever sees an unchecked value.
 
-One pydantic model per JSON body of the pinned tinker 0.25.0 client (its own request types, read
-from ``tinker/types``). Strict types (``"abc"`` is not a number, ``1.5`` is not a count), no NaN
-or infinity, bounded integers; fields the client may add later are ignored. A body that fails
-answers 400 naming the field (``app.py``). ``forward_backward`` is protobuf (``wire.py``).
+One pydantic model per JSON body of the tinker client, for every SDK generation served (0.25 to
+0.38: the union of their request types, read from ``tinker/types`` of each; a field only the
+newer generation sends is optional here). Strict types (``"abc"`` is not a number, ``1.5`` is
+not a count), no NaN or infinity, bounded integers; fields the client may add later are
+ignored. A body that fails answers 400 naming the field (``app.py``). ``forward_backward``
+is protobuf (``wire.py``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,6 +30,25 @@ class CreateSession(Body):
     tags: list[str] = []
     user_metadata: dict[str, Any] | None = None
     sdk_version: str = ""
+    display_name: str | None = None
+
+
+class FinishReason(Body):
+    type: Literal["success", "errored", "interrupted"]
+
+
+class FinishSession(Body):
+    """``POST /sessions/{id}/finish`` (tinker>=0.38 ``ServiceClient.close``)."""
+
+    reason: FinishReason
+    detail: str | None = None
+
+
+class OptimizerConfig(Body):
+    """tinker>=0.38 names the optimizer at creation; only ``adamw`` is implemented here."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    type: str = "adamw"
 
 
 class SessionRef(Body):
@@ -45,8 +66,10 @@ class LoraConfig(Body):
 class CreateModel(Body):
     session_id: str
     base_model: str
+    model_seq_id: Int64 | None = None
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig | None = None
+    optimizer_config: OptimizerConfig | None = None
 
 
 class ModelRef(Body):
@@ -70,18 +93,44 @@ class OptimStep(Body):
     seq_id: Int64 | None = None
 
 
+TtlSeconds = Annotated[int, Field(ge=1, le=100 * 365 * 86400)]
+
+
 class SaveWeights(Body):
     model_id: str
     path: str | None = None
-    ttl_seconds: Annotated[int, Field(ge=1, le=100 * 365 * 86400)] | None = None
+    ttl_seconds: TtlSeconds | None = None
     seq_id: Int64 | None = None
+    # tinker>=0.38: an "inflight" sampler may be served as a snapshot (the weights of now).
+    kind: Literal["snapshot", "inflight"] = "snapshot"
+    user_metadata: dict[str, Any] | None = None
+
+
+class SaveWeightsExternal(Body):
+    """tinker>=0.38: the adapter as files to download (``tinker checkpoint download``)."""
+
+    model_id: str
+    path: str
+    seq_id: Int64 | None = None
+    ttl_seconds: TtlSeconds | None = None
+    age_encryption_recipients: list[str] | None = None
 
 
 class LoadWeights(Body):
-    model_id: str
+    """Either a load into an existing training client (``model_id`` + ``seq_id``, every SDK)
+    or, from tinker 0.38, "create via load": ``session_id`` + ``model_seq_id`` make a new
+    training client from the checkpoint (its LoRA config) named ``<session>:train:<seq>``."""
+
+    model_id: str | None = None
     path: str
     optimizer: bool = False
     seq_id: Int64 | None = None
+    session_id: str | None = None
+    model_seq_id: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    optimizer_config: OptimizerConfig | None = None
+    weights_access_token: str | None = None
 
 
 class WeightsInfo(Body):
@@ -103,6 +152,16 @@ class ModelInput(Body):
     chunks: list[TextChunk]
 
 
+class TensorData(Body):
+    """The JSON tensor of the SDK (``TensorData``), dense or sparse CSR."""
+
+    data: list[Int64] | list[float]
+    dtype: str
+    shape: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = None
+    sparse_crow_indices: list[Int64] | None = None
+    sparse_col_indices: list[Int64] | None = None
+
+
 class SamplingParams(Body):
     max_tokens: Annotated[int, Field(ge=0)] | None = None
     seed: Seed | None = None
@@ -119,8 +178,15 @@ class Sample(Body):
     base_model: str | None = None
     model_path: str | None = None
     sampling_session_id: str | None = None
+    seq_id: Int64 | None = None
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: Annotated[int, Field(ge=0, le=1024)] = 0
+    # tinker>=0.38
+    topk_sample_logprobs: Annotated[int, Field(ge=0, le=1024)] = 0
+    target_prompt_logprobs: TensorData | None = None
+    prompt_alt_tokens_k: Annotated[int, Field(ge=0, le=1024)] = 0
+    prompt_logprobs_last_n: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
+    record_stability_info: bool | None = None
 
 
 class RetrieveFuture(Body):
@@ -129,7 +195,7 @@ class RetrieveFuture(Body):
 
 
 class SetTtl(Body):
-    ttl_seconds: Annotated[int, Field(ge=1, le=100 * 365 * 86400)] | None = None
+    ttl_seconds: TtlSeconds | None = None
 
 
 def first_error(errors: list[dict]) -> str:

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 from fastapi import Depends, HTTPException, Request
 
 from rlcli.home import rlcli_home
-from rlcli.server import checkpoints, ops
+from rlcli.server import checkpoints, generations, ops
 from rlcli.server.engine_process import EngineClient, EngineUnavailable
 from rlcli.server.futures import FutureStore
 
@@ -76,6 +76,11 @@ class SessionRecord:
     sdk_version: str
     created: float = field(default_factory=time.time)
     last_heartbeat: float = field(default_factory=time.time)
+    finished: str | None = None  # the reason a tinker>=0.38 client gave when it closed
+
+    @property
+    def legacy(self) -> bool:
+        return generations.is_legacy(self.sdk_version)
 
 
 @dataclass
@@ -97,6 +102,8 @@ class ServerState:
         self.sessions: dict[str, SessionRecord] = {}
         self.models: dict[str, ModelRecord] = {}
         self.sampling_sessions: OrderedDict[str, SamplerRef] = OrderedDict()
+        # Training clients of finished sessions: asked for again, they answer 410, not 404.
+        self.finished_models: OrderedDict[str, str] = OrderedDict()
         self.archives: dict[str, tuple[Path, float]] = {}  # download token -> (name, expiry)
         self.checkpoints_root = Path(settings.checkpoints_dir or rlcli_home() / "checkpoints")
         self.checkpoints_root.mkdir(parents=True, exist_ok=True)
@@ -146,15 +153,39 @@ class ServerState:
     def model(self, model_id: str) -> ModelRecord:
         record = self.models.get(model_id)
         if record is None:
+            if model_id in self.finished_models:
+                raise HTTPException(
+                    410, f"model_id: {model_id!r} belonged to a session that has finished"
+                )
             raise HTTPException(404, f"model_id: unknown model {model_id!r}")
         record.last_request = time.time()
         return record
 
     def session(self, session_id: str) -> SessionRecord:
+        """A live session; 404 if unknown, 410 once its client finished it."""
         record = self.sessions.get(session_id)
         if record is None:
             raise HTTPException(404, f"session_id: unknown session {session_id!r}")
+        if record.finished:
+            raise HTTPException(
+                410, f"session_id: session {session_id} has finished ({record.finished})"
+            )
         return record
+
+    def session_of_sampler(self, ref: SamplerRef) -> SessionRecord | None:
+        return self.sessions.get(ref.session_id) if ref.session_id else None
+
+    def finish_session(self, session_id: str, reason: str) -> None:
+        """The client closed its session (tinker>=0.38): its training clients and sampling
+        sessions go, as on expiry; the first reason given stays."""
+        record = self.sessions.get(session_id)
+        if record is None:
+            raise HTTPException(404, f"session_id: unknown session {session_id!r}")
+        if record.finished:
+            return
+        record.finished = reason
+        self._drop_session_clients(session_id)
+        log.info("session %s finished: %s", session_id, reason)
 
     def add_sampling_session(self, session_id: str, ref: SamplerRef) -> None:
         self.sampling_sessions[session_id] = ref
@@ -184,16 +215,23 @@ class ServerState:
             if now - session.last_heartbeat <= self.settings.session_timeout:
                 continue
             del self.sessions[session.session_id]
-            for record in list(self.models.values()):
-                if record.session_id == session.session_id:
-                    del self.models[record.model_id]
-                    if self.engine.healthy:
-                        self.engine.submit(ops.RemoveAdapter(record.model_id))
-                    log.info("Auto-unloaded stale model %s; Deleted model", record.model_id)
-            for sampler_id, ref in list(self.sampling_sessions.items()):
-                if ref.session_id == session.session_id:
-                    del self.sampling_sessions[sampler_id]
-            log.info("session %s expired: no heartbeat", session.session_id)
+            if not session.finished:
+                self._drop_session_clients(session.session_id)
+                log.info("session %s expired: no heartbeat", session.session_id)
+
+    def _drop_session_clients(self, session_id: str) -> None:
+        for record in list(self.models.values()):
+            if record.session_id == session_id:
+                del self.models[record.model_id]
+                self.finished_models[record.model_id] = session_id
+                while len(self.finished_models) > MAX_SAMPLING_SESSIONS:
+                    self.finished_models.popitem(last=False)
+                if self.engine.healthy:
+                    self.engine.submit(ops.RemoveAdapter(record.model_id))
+                log.info("Auto-unloaded model %s; Deleted model", record.model_id)
+        for sampler_id, ref in list(self.sampling_sessions.items()):
+            if ref.session_id == session_id:
+                del self.sampling_sessions[sampler_id]
 
 
 def engine_gone(reason: str) -> HTTPException:

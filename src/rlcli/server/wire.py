@@ -1,9 +1,11 @@
-"""Wire codecs: the protobuf bodies of the pinned tinker client, to and from plain numpy.
+"""Wire codecs: the protobuf bodies of the tinker client, to and from plain numpy.
 
 The client sends ``forward_backward`` (and ``forward``) as ``tinker_public.ForwardBackwardRequest``
 protobuf and asks for ``ForwardBackwardOutput`` and ``SampleResponse`` as protobuf (``Accept:
 application/x-protobuf``). We reuse the generated classes shipped inside ``tinker`` (via
-``rlcli.compat``) instead of redefining the schema. Everything past this module sees numpy.
+the installed SDK, 0.38) instead of redefining the schema: protobuf is additive, so the newest
+schema reads every older client's bodies, and fields an older client never sets read as unset.
+Everything past this module sees numpy.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from tinker.proto import tinker_public_pb2 as public_pb  # the newest schema: a superset
 
-from rlcli.compat import public_pb
 from rlcli.server.errors import InvalidPayload
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
@@ -204,34 +206,81 @@ _STOP_REASONS = {"stop": public_pb.STOP_REASON_STOP, "length": public_pb.STOP_RE
 
 
 def encode_sample_response(output) -> bytes:
-    """A ``server.sampling.SampleOutput`` as the client's ``SampleResponse`` protobuf."""
+    """A ``server.sampling.SampleOutput`` as the client's ``SampleResponse`` protobuf. The
+    fields an older client does not know are only set when asked for."""
     msg = public_pb.SampleResponse()
-    for tokens, logprobs, reason in output.sequences:
+    for i, (tokens, logprobs, reason) in enumerate(output.sequences):
         seq = msg.sequences.add()
         seq.stop_reason = _STOP_REASONS[reason]
         seq.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
+        if output.topk_sampled is not None:
+            ids, lps = output.topk_sampled[i] or (np.zeros((0, 0), np.int32),) * 2
+            _set_topk(seq.topk_sampled_logprobs, ids, lps)
     if output.prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(output.prompt_logprobs, dtype=np.float32).tobytes()
     if output.topk_prompt is not None:
-        ids, lps = output.topk_prompt
-        msg.topk_prompt_logprobs.token_ids = np.ascontiguousarray(ids, np.int32).tobytes()
-        msg.topk_prompt_logprobs.logprobs = np.ascontiguousarray(lps, np.float32).tobytes()
-        msg.topk_prompt_logprobs.k = ids.shape[1]
-        msg.topk_prompt_logprobs.prompt_length = ids.shape[0]
+        _set_topk(msg.topk_prompt_logprobs, *output.topk_prompt)
+    if output.target_prompt is not None:
+        _set_tensor(msg.target_prompt_logprobs, output.target_prompt, output.target_layout)
+    if output.prompt_alt is not None:
+        _set_tensor(msg.prompt_alt_tokens.tokens, output.prompt_alt[0])
+        _set_tensor(msg.prompt_alt_tokens.logprobs, output.prompt_alt[1])
     return msg.SerializeToString()
+
+
+def _set_topk(msg, ids: np.ndarray, lps: np.ndarray) -> None:
+    """``TopkLogprobs`` (0.25 called it ``TopkPromptLogprobs``; field 4 was ``prompt_length``)."""
+    msg.token_ids = np.ascontiguousarray(ids, np.int32).tobytes()
+    msg.logprobs = np.ascontiguousarray(lps, np.float32).tobytes()
+    msg.k = ids.shape[1] if ids.ndim == 2 else 0
+    msg.length = ids.shape[0]
+
+
+_TENSOR_DTYPES = {np.dtype(np.float32): "DTYPE_FLOAT32", np.dtype(np.int32): "DTYPE_INT32"}
+
+
+def _set_tensor(msg, array: np.ndarray, sparse: tuple[np.ndarray, np.ndarray] | None = None):
+    """A dense tensor, or a sparse CSR one holding the cells of ``sparse`` (crow, col)."""
+    msg.dtype = getattr(public_pb, _TENSOR_DTYPES[array.dtype])
+    msg.shape.extend(array.shape)
+    if sparse is None:
+        msg.dense = np.ascontiguousarray(array).tobytes()
+        return
+    crow, col = sparse
+    rows = np.repeat(np.arange(array.shape[0]), np.diff(crow))
+    msg.sparse_csr.values = np.ascontiguousarray(array[rows, col]).tobytes()
+    msg.sparse_csr.crow_indices = np.asarray(crow, np.int64).tobytes()
+    msg.sparse_csr.col_indices = np.asarray(col, np.int64).tobytes()
 
 
 def sample_response_json(output) -> dict:
     def nan_to_none(values):
         return [None if np.isnan(v) else float(v) for v in values]
 
-    return {
+    def tensor(array: np.ndarray) -> dict:
+        dtype = "float32" if array.dtype == np.float32 else "int64"
+        return {"data": array.ravel().tolist(), "dtype": dtype, "shape": list(array.shape)}
+
+    extra: dict = {}
+    if output.target_prompt is not None:
+        extra["target_prompt_logprobs"] = tensor(output.target_prompt)
+    if output.prompt_alt is not None:
+        tokens, logprobs = output.prompt_alt
+        extra["prompt_alt_tokens"] = {"tokens": tensor(tokens), "logprobs": tensor(logprobs)}
+    sequences = []
+    for i, (t, lp, reason) in enumerate(output.sequences):
+        seq = {"tokens": t.tolist(), "logprobs": lp.tolist(), "stop_reason": reason}
+        if output.topk_sampled is not None and output.topk_sampled[i] is not None:
+            ids, lps = output.topk_sampled[i]
+            seq["topk_logprobs"] = [
+                list(zip(r_ids.tolist(), r_lps.tolist(), strict=True))
+                for r_ids, r_lps in zip(ids, lps, strict=True)
+            ]
+        sequences.append(seq)
+    return extra | {
         "type": "sample",
-        "sequences": [
-            {"tokens": t.tolist(), "logprobs": lp.tolist(), "stop_reason": reason}
-            for t, lp, reason in output.sequences
-        ],
+        "sequences": sequences,
         "prompt_logprobs": None
         if output.prompt_logprobs is None
         else nan_to_none(output.prompt_logprobs),
