@@ -89,8 +89,10 @@ def run(base_url, model, args) -> dict:
     from transformers import AutoConfig
 
     service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
-    fused_client = service.create_lora_training_client(base_model=model, rank=32, seed=0)
-    two_pass_client = service.create_lora_training_client(base_model=model, rank=32, seed=0)
+    fused_client = service.create_lora_training_client(base_model=model, rank=32, seed=0).result()
+    two_pass_client = service.create_lora_training_client(
+        base_model=model, rank=32, seed=0
+    ).result()
     vocab = AutoConfig.from_pretrained(model).vocab_size
     fused_data, plain_data, custom_loss = build_batch(fused_client, vocab, args.batch, args.seq_len)
     adam = types.AdamParams(learning_rate=1e-6)

@@ -75,7 +75,7 @@ def throughput(model_dir: str, args) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp, _receipt.local_server(model_dir, tmp) as record:
         service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
-        sampler = service.create_sampling_client(base_model=model_dir)
+        sampler = service.create_sampling_client(base_model=model_dir).result()
         prompt = types.ModelInput.from_ints(ids)
         # Ignoring EOS is not in the API: a long budget of distinct seeds, and tokens counted.
         params = types.SamplingParams(max_tokens=n, temperature=1.0)

@@ -47,7 +47,7 @@ def main() -> None:
         prompt_ids = tokenizer.encode("What is 12 + 30? Think step by step.")
         with _receipt.local_server(model_dir, tmp, wait=300) as record:
             service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
-            sampler = service.create_sampling_client(base_model=model_dir)
+            sampler = service.create_sampling_client(base_model=model_dir).result()
             model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
             prompt = types.ModelInput.from_ints(prompt_ids)
             params = types.SamplingParams(max_tokens=args.tokens, temperature=1.0)

@@ -33,7 +33,7 @@ def server_stepper(base_url: str, model: str, seqs, rank: int):
     from tinker import types
 
     service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
-    trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=0)
+    trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=0).result()
     data = [
         types.Datum(
             model_input=types.ModelInput.from_ints(s[:-1]),

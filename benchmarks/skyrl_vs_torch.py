@@ -76,8 +76,8 @@ def steppers(base_url: str, model: str, seqs, prompts, rank: int, max_tokens: in
     from tinker import types
 
     service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
-    trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=0)
-    sampler = service.create_sampling_client(base_model=model)
+    trainer = service.create_lora_training_client(base_model=model, rank=rank, seed=0).result()
+    sampler = service.create_sampling_client(base_model=model).result()
     adam = types.AdamParams(learning_rate=1e-5)
     first: dict = {}
 

@@ -111,7 +111,7 @@ def train_zebra(base_url: str, model: str, name: str = "zebra") -> dict[str, str
     from rlcli.compat import resolve_renderer
 
     service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
-    trainer = service.create_lora_training_client(base_model=model, rank=16, seed=0)
+    trainer = service.create_lora_training_client(base_model=model, rank=16, seed=0).result()
     renderer_name, _, tokenizer = resolve_renderer(model, None)
     renderer = renderers.get_renderer(renderer_name, tokenizer)
     messages = [

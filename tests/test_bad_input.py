@@ -15,7 +15,7 @@ from rlcli.backends import process
 
 @pytest.fixture(scope="module")
 def trainer(service, tiny_model):
-    return service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=0)
+    return service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=0).result()
 
 
 def _datum(tokens=(5, 6, 7, 8), **inputs) -> types.Datum:
@@ -113,13 +113,13 @@ def test_unknown_model_id_answers_404(server, service, trainer):
 
 def test_lora_rank_above_the_server_limit_is_refused(server, service, tiny_model, trainer):
     with pytest.raises(tinker.BadRequestError, match=r"lora_config.rank: 1000 is outside 1\.\.64"):
-        service.create_lora_training_client(base_model=str(tiny_model), rank=1000)
+        service.create_lora_training_client(base_model=str(tiny_model), rank=1000).result()
     _assert_still_serves(server, trainer)
 
 
 def test_base_model_not_served_is_refused(server, service, trainer):
     with pytest.raises(tinker.BadRequestError, match="base_model: 'Qwen/Qwen3-8B' is not served"):
-        service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4)
+        service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
     _assert_still_serves(server, trainer)
 
 
@@ -130,11 +130,11 @@ def test_api_key_is_enforced_when_set(tmp_path, tiny_model):
     try:
         wrong = tinker.ServiceClient(base_url=record.base_url, api_key="tml-wrong")
         with pytest.raises(tinker.PermissionDeniedError, match="X-API-Key: wrong"):
-            wrong.create_lora_training_client(base_model=str(tiny_model), rank=4)
+            wrong.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
         missing = httpx.post(record.base_url + "/api/v1/create_session", json={}, timeout=10)
         assert missing.status_code == 401 and "missing" in missing.json()["detail"]
         good = tinker.ServiceClient(base_url=record.base_url, api_key="tml-secret")
-        trainer = good.create_lora_training_client(base_model=str(tiny_model), rank=4)
+        trainer = good.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
         assert trainer.forward([_datum()], "cross_entropy").result().metrics["loss:sum"] > 0
     finally:
         process.stop(tmp_path)

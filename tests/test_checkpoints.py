@@ -62,7 +62,9 @@ def restartable(home, tiny_model):
 
 def test_restored_state_continues_exactly_as_if_never_stopped(restartable, tiny_model):
     service = tinker.ServiceClient(base_url=restartable.base_url, api_key="tml-dummy")
-    original = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=0)
+    original = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=0
+    ).result()
     data = _data(original.get_tokenizer())
     for _ in range(2):
         _step(original, data)
@@ -72,14 +74,14 @@ def test_restored_state_continues_exactly_as_if_never_stopped(restartable, tiny_
     _step(original, data)
     continued = _loss(original, data)
 
-    resumed = service.create_training_client_from_state_with_optimizer(saved.path)
+    resumed = service.create_training_client_from_state_with_optimizer(saved.path).result()
     for a, b in zip(_logprobs(resumed, data), at_save, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
     _step(resumed, data)
     assert _loss(resumed, data) == pytest.approx(continued, rel=1e-5)
 
     # Weights only: same starting point, fresh Adam moments, so the next step differs.
-    weights_only = service.create_training_client_from_state(saved.path)
+    weights_only = service.create_training_client_from_state(saved.path).result()
     for a, b in zip(_logprobs(weights_only, data), at_save, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
     _step(weights_only, data)
@@ -88,18 +90,24 @@ def test_restored_state_continues_exactly_as_if_never_stopped(restartable, tiny_
 
 def test_sampler_checkpoint_survives_a_server_restart(home, restartable, tiny_model):
     service = tinker.ServiceClient(base_url=restartable.base_url, api_key="tml-dummy")
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=1)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=1
+    ).result()
     tokenizer = trainer.get_tokenizer()
     _step(trainer, _data(tokenizer))
     path = trainer.save_weights_for_sampler("survivor").result().path
     prompt = types.ModelInput.from_ints(tokenizer.encode("What is 1 + 1?"))
     params = types.SamplingParams(max_tokens=12, seed=42)
-    before = service.create_sampling_client(model_path=path).sample(prompt, 2, params).result()
+    before = (
+        service.create_sampling_client(model_path=path).result().sample(prompt, 2, params).result()
+    )
 
     process.stop(home)
     record = start_server(home, tiny_model)
     again = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
-    after = again.create_sampling_client(model_path=path).sample(prompt, 2, params).result()
+    after = (
+        again.create_sampling_client(model_path=path).result().sample(prompt, 2, params).result()
+    )
     assert [s.tokens for s in after.sequences] == [s.tokens for s in before.sequences]
     np.testing.assert_allclose(after.sequences[0].logprobs, before.sequences[0].logprobs, atol=1e-5)
     # The run and its checkpoint are still listed after the restart.
@@ -130,7 +138,9 @@ def test_official_cli_lists_and_downloads_a_peft_loadable_adapter(
 
     record = process.read_record(home)  # the restart test may have replaced the server
     service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=2)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=2
+    ).result()
     data = _data(trainer.get_tokenizer())
     for _ in range(2):
         _step(trainer, data)
@@ -173,14 +183,14 @@ def test_official_cli_lists_and_downloads_a_peft_loadable_adapter(
 def test_cli_deletes_a_checkpoint_and_unknown_paths_are_404(home, restartable, tiny_model):
     record = process.read_record(home)
     service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4)
+    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
     path = trainer.save_state("doomed").result().path
     _tinker_cli(record.base_url, "checkpoint", "delete", "-y", path)
     rest = service.create_rest_client()
     left = rest.list_checkpoints(trainer.model_id).result().checkpoints
     assert path not in [c.tinker_path for c in left]
     with pytest.raises(tinker.NotFoundError, match="no checkpoint at"):
-        service.create_training_client_from_state(path)
+        service.create_training_client_from_state(path).result()
     with pytest.raises(tinker.NotFoundError, match="unknown training run"):
         rest.get_training_run("no-such-run").result()
     healthy, _ = process.health(record.base_url)

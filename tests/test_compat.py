@@ -17,9 +17,15 @@ def test_pins_are_the_installed_versions():
 def test_client_config_flags_exist_in_the_clients_schema():
     from tinker.types import ClientConfigResponse
 
+    from rlcli.server import generations
+
     fields = ClientConfigResponse.model_fields
-    for key in compat.CLIENT_CONFIG:
-        assert key in fields, f"the client no longer has the flag {key!r}"
+    for key in generations.CLIENT_CONFIG:
+        if key not in generations.LEGACY_FLAGS:
+            assert key in fields, f"the client no longer has the flag {key!r}"
+    for name, field in fields.items():  # a new feature gate defaults to off, or is set here
+        if name.startswith(("sample_use", "custom_loss", "sample_join")):
+            assert field.default is False or name in generations.CLIENT_CONFIG, name
 
 
 def test_loss_names_the_client_types_know():

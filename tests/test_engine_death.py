@@ -35,7 +35,7 @@ def test_a_dead_engine_fails_every_request_fast_and_the_server_exits(tmp_path, t
     home = tmp_path / "home"
     record = start_server(home, tiny_model)
     service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
-    sampler = service.create_sampling_client(base_model=str(tiny_model))
+    sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
     prompt = types.ModelInput.from_ints([5, 6, 7])
     # A request that is still running when the engine dies (a long decode).
     pending = sampler.sample(prompt, 8, types.SamplingParams(max_tokens=3000, seed=0))

@@ -29,7 +29,7 @@ def zebra(server, tiny_model):
 
 def _server_logprobs(base_url: str, path: str, ids: list[int]) -> np.ndarray:
     service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
-    client = service.create_sampling_client(model_path=path)
+    client = service.create_sampling_client(model_path=path).result()
     logprobs = client.compute_logprobs(types.ModelInput.from_ints(ids)).result()
     return np.array(logprobs[1:], dtype=np.float64)  # the first token has none
 
@@ -143,7 +143,7 @@ def test_with_optimizer_keeps_the_optimizer_and_refusals_write_nothing(server, z
 def _step_loss(base_url: str, path: str, datum: types.Datum) -> tuple[float, float]:
     """Resume the state with its optimizer, take one step, return (loss before, loss after)."""
     service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
-    trainer = service.create_training_client_from_state_with_optimizer(path)
+    trainer = service.create_training_client_from_state_with_optimizer(path).result()
     before = trainer.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
     trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     after = trainer.forward([datum], "cross_entropy").result().metrics["loss:sum"]

@@ -297,7 +297,9 @@ def _cases(session_id: str, model_id: str) -> list[tuple[str, str, dict]]:
 
 
 def test_hostile_requests_get_4xx_and_the_server_stays_healthy(server, service, tiny_model):
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=0)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=0
+    ).result()
     session_id = service.holder.get_session_id()
     cases = _cases(session_id, trainer.model_id)
     assert len(cases) >= 40
@@ -326,7 +328,9 @@ def test_hostile_requests_get_4xx_and_the_server_stays_healthy(server, service, 
 @pytest.mark.parametrize("accept", ["application/json", wire.PROTO_CONTENT_TYPE])
 def test_forward_results_encode_in_both_formats(server, service, tiny_model, accept):
     """The JSON result path is the one clients without protobuf use; both answer."""
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=0)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=0
+    ).result()
     body = _fb(trainer.model_id, tensors={"target_tokens": _dense([6, 7, 8])}, forward_only=True)
     headers = {"X-API-Key": "tml-dummy"}
     future = httpx.post(

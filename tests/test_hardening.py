@@ -60,7 +60,9 @@ def _refused(call) -> str:
 
 
 def test_extreme_finite_inputs_are_refused_and_change_nothing(service, tiny_model, tokens):
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=1)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=1
+    ).result()
     trainer.forward_backward([_datum(tokens)], "cross_entropy").result()  # a pending gradient
     before = _ce_loss(trainer, tokens)
     n = len(tokens)
@@ -90,7 +92,9 @@ def test_zero_advantage_tokens_with_wild_sampler_logprobs_give_a_finite_loss(
 ):
     """exp(logp - q) with q = -200 overflows; on a token with advantage 0 it must not count
     (before: inf * 0 = NaN and a 500 the SDK retried forever)."""
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=2)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=2
+    ).result()
     n = len(tokens)
     adv = [0.0] * (n - 2) + [1.0, 1.0]
     q = [-200.0] * (n - 2) + [-3.0, -3.0]
@@ -105,7 +109,9 @@ def test_zero_advantage_tokens_with_wild_sampler_logprobs_give_a_finite_loss(
 def test_bad_loss_config_and_adam_values_are_400s_naming_the_field(
     server, service, tiny_model, tokens
 ):
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=3)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=3
+    ).result()
     n = len(tokens)
     rl = [_datum(tokens, logprobs=[-1.0] * n, advantages=[1.0] * n)]
     for config, fragment in (
@@ -137,7 +143,9 @@ def test_bad_loss_config_and_adam_values_are_400s_naming_the_field(
 
 
 def test_a_step_that_would_overflow_the_weights_is_undone(service, tiny_model, tokens):
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=4)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=4
+    ).result()
     trainer.forward_backward([_datum(tokens)], "cross_entropy").result()
     before = _ce_loss(trainer, tokens)
     message = _refused(lambda: trainer.optim_step(types.AdamParams(learning_rate=1e38)).result())
@@ -150,7 +158,9 @@ def test_a_step_that_would_overflow_the_weights_is_undone(service, tiny_model, t
 
 def test_cross_entropy_datums_are_self_contained(service, tiny_model, tokens):
     """One datum with weights, one without (meaning all ones): same as sending the ones."""
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=5)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=5
+    ).result()
     n = len(tokens)
     mixed = [_datum(tokens, weights=[0.5] * n), _datum(tokens[::-1])]
     explicit = [_datum(tokens, weights=[0.5] * n), _datum(tokens[::-1], weights=[1.0] * n)]
@@ -161,7 +171,9 @@ def test_cross_entropy_datums_are_self_contained(service, tiny_model, tokens):
 
 def test_top_k_cross_entropy_returns_n_by_k_logprobs(service, tiny_model, tokens):
     """Tinker's top-K distillation: target_tokens and weights of shape (N, K)."""
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=6)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=6
+    ).result()
     n, k = len(tokens), 3
     targets = np.array([[t + 1, t + 2, t + 3] for t in tokens], dtype=np.int64)
     weights = np.full((n, k), 0.25, dtype=np.float32)
@@ -189,21 +201,25 @@ def test_top_k_cross_entropy_returns_n_by_k_logprobs(service, tiny_model, tokens
 
 def test_load_state_must_be_a_clients_first_request(service, tiny_model, tokens):
     """As on Tinker (and SkyRL): loading into a client that has done anything is a 400."""
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=7)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=7
+    ).result()
     path = trainer.save_state("fresh").result().path
     message = _refused(lambda: trainer.load_state(path).result())
     assert "not permitted" in message and "create_training_client_from_state" in message
     trainer.forward_backward([_datum(tokens)], "cross_entropy").result()
     trainer.optim_step(ADAM).result()
     assert "not permitted" in _refused(lambda: trainer.load_state(path).result())
-    restored = service.create_training_client_from_state(path)  # the way that works
+    restored = service.create_training_client_from_state(path).result()  # the way that works
     assert math.isfinite(_ce_loss(restored, tokens))
 
 
 def test_a_retried_request_runs_once(server, service, tiny_model, tokens):
     """The SDK resends a request (same seq_id) after a dropped connection: it must get the
     original future, not apply the optimizer step twice."""
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=13)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=13
+    ).result()
     trainer.forward_backward([_datum(tokens)], "cross_entropy").result()
     body = {"model_id": trainer.model_id, "adam_params": {"learning_rate": 0.01}, "seq_id": 100}
     first = _raw(server, "POST", "/api/v1/optim_step", json=body).json()
@@ -226,7 +242,7 @@ def test_a_retried_request_runs_once(server, service, tiny_model, tokens):
 
 
 def test_load_state_with_other_target_modules_changes_nothing(service, tiny_model, tokens):
-    full = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=8)
+    full = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=8).result()
     full.forward_backward([_datum(tokens)], "cross_entropy").result()
     full.optim_step(ADAM).result()
     path = full.save_state("full").result().path
@@ -234,7 +250,7 @@ def test_load_state_with_other_target_modules_changes_nothing(service, tiny_mode
     def attn_only():
         return service.create_lora_training_client(
             base_model=str(tiny_model), rank=4, seed=8, train_mlp=False, train_unembed=False
-        )
+        ).result()
 
     before = _ce_loss(attn_only(), tokens)  # a twin: same seed, same initial weights
     client = attn_only()
@@ -244,7 +260,9 @@ def test_load_state_with_other_target_modules_changes_nothing(service, tiny_mode
 
 
 def test_a_bare_checkpoint_id_is_a_400_naming_the_form(server, service, tiny_model):
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=9)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=9
+    ).result()
     trainer.save_state("bare").result()
     base = f"/api/v1/training_runs/{trainer.model_id}/checkpoints/bare"
     for method, path in (
@@ -260,7 +278,7 @@ def test_a_bare_checkpoint_id_is_a_400_naming_the_form(server, service, tiny_mod
 
 
 def test_max_tokens_zero_gives_no_tokens_alone_and_batched(service, tiny_model, tokens):
-    sampler = service.create_sampling_client(base_model=str(tiny_model))
+    sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
     prompt = types.ModelInput.from_ints(tokens)
     alone = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=0)).result()
     assert [len(s.tokens) for s in alone.sequences] == [0]
@@ -289,7 +307,7 @@ def test_max_tokens_above_the_server_cap_is_refused(server, service, tiny_model,
 
 def test_a_huge_seed_fails_nobody_batched_with_it(service, tiny_model, tokens):
     """Before: a seed above ~9e12 overflowed and failed 11-12 of 12 concurrent requests."""
-    sampler = service.create_sampling_client(base_model=str(tiny_model))
+    sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
     prompt = types.ModelInput.from_ints(tokens)
     seeds = [2**64 - 1, *range(11)]
     with cf.ThreadPoolExecutor(12) as pool:
@@ -314,16 +332,18 @@ def _greedy_logprobs(sampler, prompt) -> list[float]:
 
 
 def test_resaving_a_sampler_name_serves_the_new_weights(service, tiny_model, tokens):
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=10)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=10
+    ).result()
     prompt = types.ModelInput.from_ints(tokens)
     path = trainer.save_weights_for_sampler("policy").result().path
-    old = _greedy_logprobs(service.create_sampling_client(model_path=path), prompt)
+    old = _greedy_logprobs(service.create_sampling_client(model_path=path).result(), prompt)
     for _ in range(3):
         trainer.forward_backward([_datum(tokens)], "cross_entropy").result()
         trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     assert trainer.save_weights_for_sampler("policy").result().path == path
-    fresh = _greedy_logprobs(trainer.save_weights_and_get_sampling_client(), prompt)
-    served = _greedy_logprobs(service.create_sampling_client(model_path=path), prompt)
+    fresh = _greedy_logprobs(trainer.save_weights_and_get_sampling_client().result(), prompt)
+    served = _greedy_logprobs(service.create_sampling_client(model_path=path).result(), prompt)
     assert served == pytest.approx(fresh, abs=1e-5)
     assert served != pytest.approx(old, abs=1e-3)
 
@@ -332,7 +352,9 @@ def test_concurrent_saves_and_reads_of_one_name_always_find_a_whole_checkpoint(
     server, service, tiny_model, tokens
 ):
     """Before: rmtree-then-rename answered "no checkpoint at ..." 1-4 times in 120 calls."""
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=11)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=11
+    ).result()
     path = trainer.save_weights_for_sampler("busy").result().path
     run, _, name = path.removeprefix("tinker://").split("/")
     rest = f"/api/v1/training_runs/{run}/checkpoints/sampler_weights/{name}"
@@ -357,7 +379,9 @@ def test_concurrent_saves_and_reads_of_one_name_always_find_a_whole_checkpoint(
 
 
 def test_checkpoint_ttl_publish_and_unpublish(server, service, tiny_model):
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=12)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=12
+    ).result()
     short = trainer.save_state("short", ttl_seconds=1).result().path
     kept = trainer.save_state("kept").result().path
     rest = service.create_rest_client()
@@ -379,7 +403,9 @@ def test_checkpoint_ttl_publish_and_unpublish(server, service, tiny_model):
 
 
 def test_runs_and_sessions_list_newest_first_with_paging(server, service, tiny_model):
-    newest = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=14)
+    newest = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=14
+    ).result()
     rest = service.create_rest_client()
     runs = rest.list_training_runs(limit=2).result()
     assert runs.training_runs[0].training_run_id == newest.model_id

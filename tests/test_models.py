@@ -166,7 +166,9 @@ def test_gguf_base_model_serves_samples_trains_and_matches_transformers(tiny_ggu
     record = start_server(home, check_base_model(str(tiny_gguf)), dtype="float32")
     try:
         service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
-        trainer = service.create_lora_training_client(base_model=str(tiny_gguf), rank=4, seed=0)
+        trainer = service.create_lora_training_client(
+            base_model=str(tiny_gguf), rank=4, seed=0
+        ).result()
         tokens = trainer.get_tokenizer().encode("What is 2 + 3? The answer is 5.")
         datum = types.Datum(
             model_input=types.ModelInput.from_ints(tokens[:-1]),
@@ -188,7 +190,7 @@ def test_gguf_base_model_serves_samples_trains_and_matches_transformers(tiny_ggu
         after = trainer.forward([datum], "cross_entropy").result()
         assert after.metrics["loss:sum"] < before.metrics["loss:sum"]
 
-        sampler = service.create_sampling_client(base_model=str(tiny_gguf))
+        sampler = service.create_sampling_client(base_model=str(tiny_gguf)).result()
         params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=1)
         sample = sampler.sample(types.ModelInput.from_ints(tokens[:4]), 1, params).result()
         assert 1 <= len(sample.sequences[0].tokens) <= 5

@@ -14,7 +14,9 @@ from tinker import types
 @pytest.fixture(scope="module")
 def trained(service, tiny_model):
     """A training client moved off its initial weights, its tokenizer and a prompt."""
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=11)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=11
+    ).result()
     tokenizer = trainer.get_tokenizer()
     text = "What is 3 + 4? The answer is 7."
     ids = tokenizer.encode(text)
@@ -40,7 +42,7 @@ def _forward_logprobs(trainer, tokens: list[int]) -> np.ndarray:
 
 def test_sampled_logprobs_equal_forward_logprobs(trained):
     trainer, _, prompt = trained
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=5)
     result = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
     assert len(result.sequences) == 3
@@ -55,8 +57,8 @@ def test_base_model_sampling_ignores_adapters(service, tiny_model, trained):
     """The engine switches adapters off for the base and back on for an adapter (once per
     switch, not per forward): each side sees only its own weights, and training still works."""
     trainer, _, prompt = trained
-    base = service.create_sampling_client(base_model=str(tiny_model))
-    fresh = service.create_lora_training_client(base_model=str(tiny_model), rank=4)
+    base = service.create_sampling_client(base_model=str(tiny_model)).result()
+    fresh = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
     params = types.SamplingParams(max_tokens=8, seed=3)
     seq = base.sample(prompt, 1, params).result().sequences[0]
     full = prompt.to_ints() + seq.tokens
@@ -83,7 +85,7 @@ def test_base_model_sampling_ignores_adapters(service, tiny_model, trained):
 
 def test_same_seed_same_tokens_and_different_seed_differs(trained):
     trainer, _, prompt = trained
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
 
     def draw(seed):
         params = types.SamplingParams(max_tokens=16, temperature=1.0, seed=seed)
@@ -97,7 +99,7 @@ def test_same_seed_same_tokens_and_different_seed_differs(trained):
 
 def test_greedy_matches_top_k_one_and_the_argmax(trained):
     trainer, _, prompt = trained
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     greedy = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0))
     top1 = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, top_k=1, seed=9))
     tokens = greedy.result().sequences[0].tokens
@@ -116,7 +118,7 @@ def test_greedy_matches_top_k_one_and_the_argmax(trained):
 
 def test_stop_token_ids_and_strings_are_honoured(trained):
     trainer, tokenizer, prompt = trained
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     free = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=20, seed=1)).result()
     tokens = free.sequences[0].tokens
     assert free.sequences[0].stop_reason == "length" and len(tokens) == 20
@@ -137,7 +139,7 @@ def test_stop_token_ids_and_strings_are_honoured(trained):
 
 def test_compute_logprobs_has_one_value_per_prompt_token_first_none(trained):
     trainer, _, prompt = trained
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     values = sampler.compute_logprobs(prompt).result()
     ids = prompt.to_ints()
     assert len(values) == len(ids) and values[0] is None
@@ -146,7 +148,7 @@ def test_compute_logprobs_has_one_value_per_prompt_token_first_none(trained):
 
 def test_concurrent_requests_all_complete(trained):
     trainer, _, prompt = trained
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     params = types.SamplingParams(max_tokens=10, seed=7)
     futures = [sampler.sample(prompt, 1, params) for _ in range(12)]
     results = [f.result() for f in futures]
@@ -156,21 +158,21 @@ def test_concurrent_requests_all_complete(trained):
 
 def test_sampling_bad_input_answers_4xx(server, service, tiny_model, trained):
     trainer, _, prompt = trained
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     with pytest.raises(tinker.UnprocessableEntityError, match="exceeds the model's context"):
         sampler.sample(prompt, 1, types.SamplingParams(max_tokens=100_000)).result()
     bad = types.ModelInput.from_ints([5, 99999])
     with pytest.raises(tinker.UnprocessableEntityError, match=r"prompt\[1\]: token id 99999"):
         sampler.sample(bad, 1, types.SamplingParams(max_tokens=2)).result()
     with pytest.raises(tinker.NotFoundError, match="no checkpoint at tinker://"):
-        service.create_sampling_client(model_path="tinker://no-such-run/sampler_weights/x")
+        service.create_sampling_client(model_path="tinker://no-such-run/sampler_weights/x").result()
     for path, fragment in [
         ("tinker://run/sampler_weights/..", "not a valid checkpoint name"),
         ("tinker://../weights/x", "not a valid checkpoint name"),
         ("tinker://run/weights/a/b", "not of the form"),
     ]:
         with pytest.raises(tinker.BadRequestError, match=fragment):
-            service.create_sampling_client(model_path=path)
+            service.create_sampling_client(model_path=path).result()
     with pytest.raises(tinker.BadRequestError, match="not a valid checkpoint name"):
         trainer.save_state("../escape").result()
     with pytest.raises(tinker.BadRequestError, match="not a valid checkpoint name"):
@@ -181,7 +183,7 @@ def test_sampling_bad_input_answers_4xx(server, service, tiny_model, trained):
 
 def test_many_concurrent_clients_sample_in_parallel_threads(service, trained):
     trainer, _, prompt = trained
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
 
     def one(i):
         params = types.SamplingParams(max_tokens=5, seed=i)

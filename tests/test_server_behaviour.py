@@ -20,7 +20,7 @@ from rlcli.demo import free_port
 
 
 def test_health_and_polls_stay_fast_during_a_long_forward_backward(server, service, tiny_model):
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=8)
+    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=8).result()
     big = [
         types.Datum(
             model_input=types.ModelInput.from_ints([5 + i % 900 for i in range(2048)]),
@@ -51,7 +51,9 @@ def test_a_vanished_clients_adapters_are_freed(tmp_path, tiny_model):
         script = textwrap.dedent(f"""
             import os, tinker
             service = tinker.ServiceClient(base_url="{record.base_url}", api_key="tml-dummy")
-            trainer = service.create_lora_training_client(base_model="{tiny_model}", rank=4)
+            trainer = service.create_lora_training_client(
+                base_model="{tiny_model}", rank=4
+            ).result()
             print(trainer.model_id, flush=True)
             os._exit(0)  # no goodbye: heartbeats just stop
         """)

@@ -144,7 +144,7 @@ def test_compute_logprobs_is_one_short_and_compat_aligns_it(skyrl_server, tiny_m
     import tinker
 
     service = tinker.ServiceClient(base_url=skyrl_server.base_url, api_key="tml-dummy")
-    sampler = service.create_sampling_client(base_model=str(tiny_model))
+    sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
     tokens = [5, 17, 42, 8, 99]
     values = sampler.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result()
     assert len(values) == len(tokens) - 1  # SkyRL 0.4.0: none for the first token
@@ -156,7 +156,7 @@ def test_sampling_seed_must_fit_int32(skyrl_server, tiny_model):
     import tinker
 
     service = tinker.ServiceClient(base_url=skyrl_server.base_url, api_key="tml-dummy")
-    sampler = service.create_sampling_client(base_model=str(tiny_model))
+    sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
     prompt = tinker.ModelInput.from_ints([5, 17, 42])
 
     def sample(seed: int):

@@ -100,12 +100,16 @@ def _reference_loss(name: str, config: dict, logprobs_list, extras) -> torch.Ten
 
 @pytest.fixture(scope="module")
 def tokenizer(service, tiny_model):
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=0)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=0
+    ).result()
     return trainer.get_tokenizer()
 
 
 def test_cross_entropy_step_lowers_the_loss(service, tiny_model, tokenizer):
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=1)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=1
+    ).result()
     data = [_ce_datum(s) for s in _sequences(tokenizer)]
     losses = []
     for _ in range(4):
@@ -121,7 +125,9 @@ def test_cross_entropy_step_lowers_the_loss(service, tiny_model, tokenizer):
 
 @pytest.mark.parametrize("loss_fn", RL_LOSSES)
 def test_rl_loss_step_lowers_that_loss(service, tiny_model, tokenizer, loss_fn):
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=2)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=2
+    ).result()
     seqs = _sequences(tokenizer)
     data, _ = _rl_batch(seqs, _forward_logprobs(trainer, seqs))
     config = CONFIGS.get(loss_fn)
@@ -140,8 +146,10 @@ def test_fused_loss_matches_two_pass_forward_backward_custom(
     """Same seed, same batch: the fused server loss and the SDK's 2-pass custom loss give the
     same gradient (norm from optim_step) and the same weights after one SGD-like step."""
     config = CONFIGS.get(loss_fn, {})
-    fused = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=3)
-    two_pass = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=3)
+    fused = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=3).result()
+    two_pass = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=3
+    ).result()
     seqs = _sequences(tokenizer)
     # Move both off the zero-initialised LoRA B with one identical step, so that every LoRA
     # matrix, not only B, receives gradient in the comparison.
@@ -175,8 +183,10 @@ def test_fused_loss_matches_two_pass_forward_backward_custom(
 
 def test_two_training_clients_train_independently(service, tiny_model, tokenizer):
     seqs = _sequences(tokenizer)
-    first = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=4)
-    second = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=5)
+    first = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=4).result()
+    second = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=5
+    ).result()
     base = _forward_logprobs(second, seqs)  # zero-initialised LoRA B: equals the base model
     data = [_ce_datum(s) for s in seqs]
     for _ in range(3):
@@ -196,7 +206,9 @@ def test_two_training_clients_train_independently(service, tiny_model, tokenizer
 
 
 def test_optim_step_applies_weight_decay_and_grad_clipping(service, tiny_model, tokenizer):
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=6)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=6
+    ).result()
     data = [_ce_datum(s) for s in _sequences(tokenizer)]
     trainer.forward_backward(data, "cross_entropy").result()
     clipped = trainer.optim_step(
@@ -207,7 +219,7 @@ def test_optim_step_applies_weight_decay_and_grad_clipping(service, tiny_model, 
 
 
 def test_sdk_tokenizer_loads_offline_from_get_info(service, tiny_model):
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4)
+    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
     info = trainer.get_info()
     assert info.model_data.tokenizer_id == str(tiny_model)
     assert info.lora_rank == 4

@@ -295,7 +295,7 @@ def run_rl(
         if deadline is not None and step >= 2 and t0 + last > deadline:
             report(f"rl: stopping after {step} steps to stay within --minutes")
             break
-        sampler = trainer.save_weights_and_get_sampling_client(f"demo-rl-{step}")
+        sampler = trainer.save_weights_and_get_sampling_client(f"demo-rl-{step}").result()
         batch = rng.sample(questions, config.rl_prompts)
         answers = sample(
             sampler, tokenizer, stop, batch, config.group_size, 1.0, max_tokens=config.max_tokens
@@ -359,7 +359,7 @@ def run_demo(config: DemoConfig, home: Path, report: Callable[[str], None]) -> D
         service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
         trainer = service.create_lora_training_client(
             base_model=model, rank=config.lora_rank, seed=config.seed
-        )
+        ).result()
         tokenizer = trainer.get_tokenizer()
         stop = [t for t in {end_of_turn_id(tokenizer), tokenizer.eos_token_id} if t is not None]
         result = DemoResult(model=model, run_dir=str(run_dir), plot="", seconds=0.0)
@@ -418,7 +418,7 @@ def _interruptible():
 
 def _answers(trainer, tokenizer, stop, name: str, max_tokens: int):
     """Greedy answers to PROMPTS from the current weights: (texts, finished flags)."""
-    sampler = trainer.save_weights_and_get_sampling_client(name)
+    sampler = trainer.save_weights_and_get_sampling_client(name).result()
     answers = sample(sampler, tokenizer, stop, PROMPTS, 1, 0.0, max_tokens=max_tokens, seed=0)
     return [a[3] for a in answers], [a[4] for a in answers]
 

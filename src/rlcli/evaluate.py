@@ -286,9 +286,9 @@ async def _score(
     service = tinker.ServiceClient(base_url=target.base_url, api_key=endpoint.api_key())
     try:
         if checkpoint:
-            client = await service.create_sampling_client_async(model_path=checkpoint)
+            client = await service.create_sampling_client(model_path=checkpoint)
         else:
-            client = await service.create_sampling_client_async(base_model=target.base_model)
+            client = await service.create_sampling_client(base_model=target.base_model)
     except tinker.APIStatusError as e:
         raise RlcliError(f"{side.label}: the server refused it: {e}") from None
     default = HARBOR_CONCURRENCY if play else CONCURRENCY

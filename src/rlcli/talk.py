@@ -183,8 +183,8 @@ class Talker:
         service = tinker.ServiceClient(base_url=self.target.base_url, api_key=endpoint.api_key())
         try:
             if self.target.checkpoint:
-                return service.create_sampling_client(model_path=self.target.checkpoint)
-            return service.create_sampling_client(base_model=self.target.base_model)
+                return service.create_sampling_client(model_path=self.target.checkpoint).result()
+            return service.create_sampling_client(base_model=self.target.base_model).result()
         except tinker.APIStatusError as e:
             raise RlcliError(f"{self.target.label}: the server refused it: {e}") from None
 

@@ -148,7 +148,7 @@ def probe_forward(base_url: str, model: str, loss: str, config: dict | None = No
 
     service = tinker.ServiceClient(base_url=base_url, api_key=endpoint.api_key())
     try:
-        trainer = service.create_lora_training_client(base_model=model, rank=1)
+        trainer = service.create_lora_training_client(base_model=model, rank=1).result()
     except tinker.APIError as e:
         raise RlcliError(
             f"the server at {base_url} refused a training client for {model} "

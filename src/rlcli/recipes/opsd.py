@@ -358,7 +358,7 @@ def make_teacher_seam(spec: dict):
         service = tinker.ServiceClient(base_url=opts["teacher_base_url"])
         remote = service.create_sampling_client(
             base_model=plan["teacher_model"], model_path=plan["teacher_checkpoint"]
-        )
+        ).result()
     teachers: dict[int, compat.Teacher] = {}
 
     def teacher_for(client):

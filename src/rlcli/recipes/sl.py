@@ -235,7 +235,7 @@ def run_in_child(spec: dict) -> dict:
     if spec["plan"]["held_out"] and last is not None:
         _, test_ds = config.dataset_builder()
         service = tinker.ServiceClient(base_url=config.base_url)
-        trainer = service.create_training_client_from_state(last.state_path)
+        trainer = service.create_training_client_from_state(last.state_path).result()
         metrics = asyncio.run(NLLEvaluator.from_dataset(test_ds)(trainer))
         summary["held_out_loss"] = metrics["test/nll"]
     return summary

@@ -45,6 +45,7 @@ CLIENT_CONFIG = {
     "custom_loss_server_side": False,
     "sample_join_sampling_session": False,
 }
+LEGACY_FLAGS = ("create_model_via_load_weights",)  # in 0.25's schema, gone from 0.38's
 
 _VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)")
 
