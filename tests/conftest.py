@@ -162,3 +162,32 @@ def recipe_children(run_dir: Path) -> list[int]:
         if needle in cmdline and state != "Z":
             pids.append(int(entry))
     return pids
+
+
+# ---- the previous SDK generation, for tests that drive one server with both ---------------
+
+OLD_SDK = ("tinker==0.25.0", "tinker-cookbook[math-rl]==0.5.7")
+
+
+@pytest.fixture(scope="session")
+def old_sdk_python() -> str:
+    """A Python with the 0.25 generation of the SDK and its cookbook, in a venv of its own
+    (``.venv-sdk025`` beside the checkout, or ``$RLCLI_OLD_SDK_VENV``): built once from PyPI,
+    reused after. ``.ci/run`` builds it before the suite."""
+    venv = Path(
+        os.environ.get("RLCLI_OLD_SDK_VENV") or Path(__file__).parent.parent / ".venv-sdk025"
+    )
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import tinker, tinker_cookbook; print(tinker.__version__)"]
+    if (
+        python.exists()
+        and subprocess.run(probe, capture_output=True, text=True).stdout.strip() == "0.25.0"
+    ):
+        return str(python)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # torch first, pinned: a bare `torch` would resolve to a multi-GB CUDA build on a CPU box.
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "torch==2.13.0", *OLD_SDK],
+        check=True, timeout=1800,
+    )  # fmt: skip
+    return str(python)

@@ -46,7 +46,7 @@ def journey(base_url: str, model: str) -> dict:
         },
     )
     out["is_metrics"] = trainer.forward_backward([rl_datum], "importance_sampling").result().metrics
-    sampler = ready(trainer.save_weights_and_get_sampling_client("journey"))
+    sampler = ready(trainer.save_weights_and_get_sampling_client())
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
     response = sampler.sample(types.ModelInput.from_ints(tokens[:5]), 3, params).result()
     out["samples"] = [list(s.tokens) for s in response.sequences]
@@ -103,12 +103,14 @@ def cookbook_loops(base_url: str, model: str, folder: Path) -> dict:
     )  # fmt: skip
     sl_config = sl_train.Config(
         log_path=str(folder / "sl"), model_name=model, base_url=base_url, lora_rank=8,
+        recipe_name="rlcli_generations",
         learning_rate=1e-3, num_epochs=1, save_every=0, eval_every=0,
         dataset_builder=FromConversationFileBuilder(file_path=str(chats), common_config=common),
     )  # fmt: skip
     asyncio.run(sl_train.main(sl_config))
     rl_config = rl_train.Config(
         learning_rate=1e-3, model_name=model, max_tokens=6, log_path=str(folder / "rl"),
+        recipe_name="rlcli_generations",
         base_url=base_url, lora_rank=8, save_every=0, eval_every=0, num_groups_to_log=0,
         loss_fn="importance_sampling",
         dataset_builder=ArithmeticDatasetBuilder(
@@ -126,6 +128,7 @@ def cookbook_loops(base_url: str, model: str, folder: Path) -> dict:
 
 if __name__ == "__main__":
     os.environ.setdefault("TINKER_TELEMETRY", "0")
+    os.environ.setdefault("TINKER_API_KEY", "tml-dummy")  # the cookbook loops read it
     base_url, model, out_path = sys.argv[1:4]
     result = journey(base_url, model)
     if "--cookbook" in sys.argv:

@@ -115,7 +115,9 @@ def test_sampler_checkpoint_survives_a_server_restart(home, restartable, tiny_mo
     assert trainer.model_id in [r.training_run_id for r in runs.training_runs]
 
 
-def _tinker_cli(base_url: str, *args: str, via_rlcli: bool = False) -> subprocess.CompletedProcess:
+def _tinker_cli(
+    base_url: str, *args: str, via_rlcli: bool = False, python: str = sys.executable
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "TINKER_API_KEY": "tml-dummy"}
     if via_rlcli:  # the flag must win over a stale TINKER_BASE_URL
         env["TINKER_BASE_URL"] = "http://127.0.0.1:9"
@@ -123,19 +125,24 @@ def _tinker_cli(base_url: str, *args: str, via_rlcli: bool = False) -> subproces
         command = [sys.executable, "-m", "rlcli.cli.main", group, "--base-url", base_url, *rest]
     else:
         env["TINKER_BASE_URL"] = base_url
-        command = [sys.executable, "-m", "tinker.cli", *args]
+        command = [python, "-m", "tinker.cli", *args]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
 
-@pytest.mark.parametrize("via_rlcli", [False, True], ids=["tinker", "rlcli"])
+@pytest.mark.parametrize("cli", ["tinker", "tinker-0.25", "rlcli"])
 def test_official_cli_lists_and_downloads_a_peft_loadable_adapter(
-    tmp_path, home, restartable, tiny_model, via_rlcli
+    tmp_path, home, restartable, tiny_model, cli, request
 ):
+    """Each SDK generation's ``tinker checkpoint download`` of a training state: 0.25 fetches
+    the archive; 0.38 makes a training client from the state, exports it as external weights,
+    fetches their files and deletes the export. Both give a PEFT adapter that loads."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    via_rlcli = cli == "rlcli"
+    python = request.getfixturevalue("old_sdk_python") if cli == "tinker-0.25" else sys.executable
     record = process.read_record(home)  # the restart test may have replaced the server
     service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
     trainer = service.create_lora_training_client(
@@ -144,30 +151,32 @@ def test_official_cli_lists_and_downloads_a_peft_loadable_adapter(
     data = _data(trainer.get_tokenizer())
     for _ in range(2):
         _step(trainer, data)
-    path = trainer.save_weights_for_sampler("export").result().path
+    path = trainer.save_state("export").result().path
     expected = _logprobs(trainer, data)
 
+    def tinker_cli(*args):
+        return _tinker_cli(record.base_url, *args, via_rlcli=via_rlcli, python=python)
+
     if via_rlcli:
-        runs_out = _tinker_cli(record.base_url, "run", "list", "--json", via_rlcli=True)
-        runs = json.loads(runs_out.stdout)
-        listed = json.loads(
-            _tinker_cli(record.base_url, "checkpoint", "-f", "json", "list", via_rlcli=True).stdout
-        )
+        runs = json.loads(tinker_cli("run", "list", "--json").stdout)
+        listed = json.loads(tinker_cli("checkpoint", "-f", "json", "list").stdout)
     else:
-        runs = json.loads(_tinker_cli(record.base_url, "-f", "json", "run", "list").stdout)
-        listed = json.loads(_tinker_cli(record.base_url, "-f", "json", "checkpoint", "list").stdout)
+        runs = json.loads(tinker_cli("-f", "json", "run", "list").stdout)
+        listed = json.loads(tinker_cli("-f", "json", "checkpoint", "list").stdout)
     assert trainer.model_id in [r["training_run_id"] for r in runs["runs"]]
     assert path in [c["tinker_path"] for c in listed["checkpoints"]]
 
     info_args = ("checkpoint", "info", path)
     if not via_rlcli:
         info_args = ("-f", "json", *info_args)
-    info_out = _tinker_cli(record.base_url, *info_args, via_rlcli=via_rlcli).stdout
-    assert "sampler_weights/export" in info_out
-    args = ("checkpoint", "download", path, "-o", str(tmp_path))
-    _tinker_cli(record.base_url, *args, via_rlcli=via_rlcli)
+    assert "weights/export" in tinker_cli(*info_args).stdout
+    tinker_cli("checkpoint", "download", path, "-o", str(tmp_path))
     (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert (folder / "adapter_model.safetensors").exists()
+    # 0.38's temporary export is gone again: only the state is left in the run.
+    rest = tinker.RestClient(base_url=record.base_url, api_key="tml-dummy")
+    left = rest.list_checkpoints(trainer.model_id).result().checkpoints
+    assert [c.checkpoint_type for c in left] == ["training"]
 
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model))
     model = PeftModel.from_pretrained(base, str(folder)).eval()

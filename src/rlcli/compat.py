@@ -25,7 +25,6 @@ API_KEY_PREFIX = "tml-"
 DEFAULT_API_KEY = "tml-dummy"
 
 
-
 def resolve_renderer(model: str, requested: str | None):
     """(renderer name, why it was chosen, tokenizer or None).
 

@@ -174,8 +174,19 @@ LOSSES: dict[str, LossSpec] = {
 }
 
 
+# Losses tinker 0.38 names that this server does not compute, and what to use instead.
+NOT_SERVED = {
+    "stable_reinforce": "its objective is not published; use importance_sampling or ppo",
+    "custom": "server-side custom losses are off here; forward_backward_custom runs the loss "
+    "on the client",
+}
+
+
 def unknown_loss_message(name: str) -> str:
-    return f"loss_fn: unknown loss {name!r}; supported: {', '.join(sorted(LOSSES))}"
+    supported = ", ".join(sorted(LOSSES))
+    if name in NOT_SERVED:
+        return f"loss_fn: {name!r} is not served here ({NOT_SERVED[name]}); supported: {supported}"
+    return f"loss_fn: unknown loss {name!r}; supported: {supported}"
 
 
 def default_input(name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:

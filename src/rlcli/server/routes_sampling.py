@@ -57,9 +57,7 @@ async def asample(body: Sample, state: State):
     job.sampler = ref.key
     future = state.submit(ops.Sample(job))
     # One id per sample, fixed now (tinker>=0.38 asserts them; older clients ignore them).
-    future["sample_sequence_ids"] = [
-        f"{future['request_id']}:{i}" for i in range(body.num_samples)
-    ]
+    future["sample_sequence_ids"] = [f"{future['request_id']}:{i}" for i in range(body.num_samples)]
     return future
 
 

@@ -39,6 +39,9 @@ def validate_forward_backward(req: FwdBwdRequest, vocab_size: int, max_context: 
                 f"{where}.model_input: {n} tokens exceeds the model's context of {max_context}"
             )
         check_token_ids(datum.tokens, vocab_size, f"{where}.model_input")
+        _check_spans(datum.input_spans, n, f"{where}.model_input_spans", "model_input tokens")
+        targets = len(datum.inputs.get("target_tokens", ()))
+        _check_spans(datum.target_spans, targets, f"{where}.loss_fn_input_spans", "target_tokens")
         for name in ("target_tokens", *spec.required):
             if name not in datum.inputs:
                 raise RequestError(
@@ -76,6 +79,14 @@ def validate_forward_backward(req: FwdBwdRequest, vocab_size: int, max_context: 
                 check_token_ids(arr, vocab_size, field)
             elif not np.all(np.isfinite(arr)):
                 raise RequestError(f"{field}: contains NaN or infinity")
+
+
+def _check_spans(lengths: list[int] | None, total: int, field: str, what: str) -> None:
+    """Provenance spans (tinker>=0.38) tile what they annotate: their lengths add up to it."""
+    if lengths is not None and sum(lengths) != total:
+        raise RequestError(
+            f"{field}: the runs cover {sum(lengths)} positions; they must tile the {total} {what}"
+        )
 
 
 def check_token_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:

@@ -29,6 +29,10 @@ class WireError(InvalidPayload):
 class DatumArrays:
     tokens: np.ndarray  # int64 [N], the model input
     inputs: dict[str, np.ndarray] = field(default_factory=dict)  # loss_fn_inputs, each [N]
+    # tinker>=0.38 provenance: the run lengths of model_input_spans / loss_fn_input_spans
+    # (None: not sent). Only checked here: they must tile what they annotate.
+    input_spans: list[int] | None = None
+    target_spans: list[int] | None = None
 
 
 @dataclass
@@ -136,15 +140,43 @@ def decode_forward_backward(body: bytes) -> FwdBwdRequest:
             name: _decode_tensor(tensor, f"data[{i}].loss_fn_inputs.{name}")
             for name, tensor in datum.loss_fn_inputs.items()
         }
-        data.append(DatumArrays(tokens=tokens, inputs=inputs))
+        spans = [_span_lengths(datum.model_input_spans), _span_lengths(datum.loss_fn_input_spans)]
+        if (spans[0] is None) != (spans[1] is None):
+            raise WireError(
+                f"data[{i}]: model_input_spans and loss_fn_input_spans come together or not at all"
+            )
+        data.append(DatumArrays(tokens, inputs, *spans))
     return FwdBwdRequest(
         model_id=msg.model_id,
         seq_id=msg.seq_id,
         loss_fn=msg.loss_fn,
-        loss_fn_config={k: float(v) for k, v in msg.loss_fn_config.items()},
+        loss_fn_config=_loss_config(msg),
         forward_only=msg.forward_only,
         data=data,
     )
+
+
+def _span_lengths(spans) -> list[int] | None:
+    if not spans:
+        return None
+    lengths = []
+    for span in spans:
+        kind = span.WhichOneof("span")
+        lengths.append(int(getattr(span, kind).length) if kind else 0)
+    return lengths
+
+
+def _loss_config(msg) -> dict[str, float]:
+    """``loss_fn_config_v2`` (tinker>=0.38; numbers or text) when set, else the legacy
+    float map. Every loss served takes numbers: a text value is refused by name."""
+    if not msg.loss_fn_config_v2:
+        return {k: float(v) for k, v in msg.loss_fn_config.items()}
+    config = {}
+    for key, value in msg.loss_fn_config_v2.items():
+        if value.WhichOneof("value") != "number":
+            raise WireError(f"loss_fn_config.{key}: a number is expected, got text")
+        config[key] = float(value.number)
+    return config
 
 
 def encode_forward_backward_output(
