@@ -209,3 +209,28 @@ def test_harbor_hooks_put_rlcli_verifier_in_and_share_the_tokenizer_safely(monke
     for t in threads:
         t.join()
     assert errors == [] and len(results) == 240 and all(r == expected for r in results)
+
+
+def test_samples_without_sequence_ids_get_made_up_ones():
+    """A 0.25-protocol server (SkyRL 0.4.0) answers no ``sample_sequence_ids``; the 0.38 client
+    asserts them in ``sampling_client._attach_sequence_ids(response, ids)``."""
+    import inspect
+
+    from tinker import types
+    from tinker.lib.public_interfaces import sampling_client
+
+    compat.accept_unnumbered_samples()
+    compat.accept_unnumbered_samples()  # twice changes nothing
+    params = list(inspect.signature(sampling_client._attach_sequence_ids).parameters)
+    assert params == ["response", "sample_sequence_ids"]
+    import numpy as np
+
+    seq = types.SampledSequence(
+        stop_reason="length", sequence_id=None, tokens_np=np.array([1, 2], np.int32)
+    )
+    response = types.SampleResponse(sequences=[seq, seq])
+    made = sampling_client._attach_sequence_ids(response, None)
+    ids = [s.sequence_id for s in made.sequences]
+    assert len(set(ids)) == 2 and None not in ids
+    given = sampling_client._attach_sequence_ids(response, ["a:0", "a:1"])
+    assert [s.sequence_id for s in given.sequences] == ["a:0", "a:1"]

@@ -8,6 +8,8 @@ assumption against the installed packages, so a bump fails loudly in one place.
 
 from __future__ import annotations
 
+import os
+
 from tinker.proto import tinker_public_pb2 as public_pb  # noqa: F401  (generated schema)
 
 TINKER_VERSION = "0.38.0"
@@ -517,7 +519,35 @@ def install_harbor_hooks() -> None:
 #   session times out (300 s without a heartbeat), not when the client's process ends: a few
 #   runs in a row fill the slots. ``release_adapters_at_exit`` unloads, when the recipe's process
 #   exits, every training client it created (``/api/v1/unload_model``, which both servers serve).
+# - SkyRL 0.4.0 speaks the 0.25 protocol: its ``asample`` futures carry no
+#   ``sample_sequence_ids``, which the 0.38 client asserts. ``accept_unnumbered_samples`` gives
+#   such a response ids made here (unique in the process), as 0.25 clients never had any.
 # tests/test_compat.py and tests/test_skyrl_jax.py check these.
+
+
+def accept_unnumbered_samples() -> None:
+    """Let the 0.38 client take a sample response without sequence ids (a server of the 0.25
+    protocol: SkyRL): ids are made up client-side, one per sequence. Responses that carry ids
+    (rlcli's server) are untouched. Installing twice changes nothing."""
+    import itertools
+
+    from tinker.lib.public_interfaces import sampling_client
+
+    original = sampling_client._attach_sequence_ids
+    if getattr(original, "rlcli_numbered", False):
+        return
+    counter = itertools.count()
+
+    def _attach_sequence_ids(response, sample_sequence_ids):
+        if sample_sequence_ids is None:
+            request = next(counter)
+            sample_sequence_ids = [f"local-{os.getpid()}-{request}:{i}"
+                                   for i in range(len(response.sequences))]  # fmt: skip
+        return original(response, sample_sequence_ids)
+
+    _attach_sequence_ids.rlcli_numbered = True  # type: ignore[attr-defined]
+    sampling_client._attach_sequence_ids = _attach_sequence_ids
+
 
 SKYRL_MAX_SEED = 2**31 - 1
 

@@ -280,9 +280,10 @@ async def _score(
     from tinker import types
     from tinker_cookbook.renderers import get_text_content
 
-    from rlcli import endpoint, talk
+    from rlcli import compat, endpoint, talk
 
     side = talk.Target(target.base_url, target.base_model, checkpoint)
+    compat.accept_unnumbered_samples()  # a SkyRL server answers samples the 0.25 way
     service = tinker.ServiceClient(base_url=target.base_url, api_key=endpoint.api_key())
     try:
         if checkpoint:

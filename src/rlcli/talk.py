@@ -180,6 +180,9 @@ class Talker:
     def _sampling_client(self):
         import tinker
 
+        from rlcli.compat import accept_unnumbered_samples
+
+        accept_unnumbered_samples()  # a SkyRL server answers samples the 0.25 way
         service = tinker.ServiceClient(base_url=self.target.base_url, api_key=endpoint.api_key())
         try:
             if self.target.checkpoint:
