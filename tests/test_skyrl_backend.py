@@ -188,7 +188,7 @@ from rlcli import compat
 if sys.argv[3] == "release":
     compat.release_adapters_at_exit()
 service = tinker.ServiceClient(base_url=sys.argv[1], api_key="tml-dummy")
-print(service.create_lora_training_client(base_model=sys.argv[2], rank=1).model_id)
+print(service.create_lora_training_client(base_model=sys.argv[2], rank=1).result().model_id)
 """
 
 

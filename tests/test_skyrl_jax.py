@@ -143,6 +143,8 @@ def test_gspo_is_refused_by_the_probe_when_the_server_is_not_ours(
 def test_compute_logprobs_is_one_short_and_compat_aligns_it(skyrl_server, tiny_model):
     import tinker
 
+    compat.accept_unnumbered_samples()  # SkyRL 0.4.0 answers samples the 0.25 way
+
     service = tinker.ServiceClient(base_url=skyrl_server.base_url, api_key="tml-dummy")
     sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
     tokens = [5, 17, 42, 8, 99]
@@ -154,6 +156,8 @@ def test_compute_logprobs_is_one_short_and_compat_aligns_it(skyrl_server, tiny_m
 
 def test_sampling_seed_must_fit_int32(skyrl_server, tiny_model):
     import tinker
+
+    compat.accept_unnumbered_samples()  # SkyRL 0.4.0 answers samples the 0.25 way
 
     service = tinker.ServiceClient(base_url=skyrl_server.base_url, api_key="tml-dummy")
     sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
