@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_rlcli, start_server
+from conftest import GSM8K, run_rlcli, start_server
 from rlcli.backends import process
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 DEAD_URL = "http://127.0.0.1:9"
 
 
@@ -93,7 +92,6 @@ def test_status_and_passthrough_send_the_api_key(keyed_server):
     assert "TINKER_API_KEY" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
 def test_train_rl_against_a_keyed_server(keyed_server, tiny_model, tmp_path):
     home, record = keyed_server
     args = (
