@@ -62,10 +62,18 @@ def pytest_make_collect_report(collector):  # a module that skips itself as a wh
     return _refuse_unlisted_skip((yield))
 
 
-def run_rlcli(*args, stdin=None, env=None, timeout=600) -> subprocess.CompletedProcess:
-    """Run ``rlcli ARGS`` in a subprocess; ``env`` adds to (not replaces) this environment."""
+def run_rlcli(
+    *args, stdin=None, env=None, timeout=600, without: str | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``rlcli ARGS`` in a subprocess; ``env`` adds to (not replaces) this environment.
+    ``without`` names a package that process cannot import, as if it were not installed
+    (``sys.modules[name] = None``: find_spec answers None, import raises ImportError)."""
+    command = RLCLI
+    if without:
+        block = f"import sys; sys.modules[{without!r}] = None"
+        command = [sys.executable, "-c", f"{block}; from rlcli.cli.main import main; main()"]
     return subprocess.run(
-        [*RLCLI, *args],
+        [*command, *args],
         input=stdin,
         capture_output=True,
         text=True,
