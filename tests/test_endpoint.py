@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_rlcli, start_server
+from conftest import GSM8K, run_rlcli, start_server
 from rlcli.backends import process
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 DEAD_URL = "http://127.0.0.1:9"
 
 
@@ -93,7 +92,6 @@ def test_status_and_passthrough_send_the_api_key(keyed_server):
     assert "TINKER_API_KEY" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
 def test_train_rl_against_a_keyed_server(keyed_server, tiny_model, tmp_path):
     home, record = keyed_server
     args = (
@@ -124,13 +122,10 @@ def test_version():
 
 
 def test_import_gguf_without_the_package_names_the_extra(tmp_path):
-    import importlib.util
-
-    if importlib.util.find_spec("gguf") is not None:
-        pytest.skip("gguf is installed here")
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"GGUF" + b"\0" * 64)
-    result = run_rlcli("models", "import-gguf", str(fake), str(tmp_path / "out"))
+    # gguf is a core dependency now: an install without it is an old or broken one
+    result = run_rlcli("models", "import-gguf", str(fake), str(tmp_path / "out"), without="gguf")
     assert result.returncode == 1
     assert result.stderr.strip() == (
         "error: models import-gguf needs the gguf package, which is not installed: "

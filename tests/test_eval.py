@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_rlcli
+from conftest import GSM8K, run_rlcli
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 DEAD_URL = "http://127.0.0.1:9"
 KEYS = {
     "env", "source", "tasks", "seed", "temperature", "max_new_tokens", "pass_threshold",
@@ -62,8 +61,6 @@ def test_json_has_every_task_and_a_seed_gives_the_same_numbers(server, tiny_mode
 def test_each_environment_is_stable_for_a_seed(tmp_path, server, tiny_model, env):
     from rlcli.evaluate import EvalOptions, evaluate
 
-    if env == "gsm8k" and not GSM8K.is_dir():
-        pytest.skip("needs ../shared/data/gsm8k")
     if env == "jsonl":
         rows = [{"question": f"What is {i} times 3?", "answer": 3 * i} for i in range(6)]
         env = str(write_jsonl(tmp_path / "qa.jsonl", rows))

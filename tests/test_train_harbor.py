@@ -48,7 +48,6 @@ def test_two_steps_resume_exactly_through_config_yaml_with_wandb(
     assert {r["task"] for r in rows} == {"compute-value", "fix-script"}  # the first batch
     assert all(r["start_s"] > 0 and r["remove_s"] > 0 for r in rows)
 
-    pytest.importorskip("wandb")
     second = run_rlcli(
         "train", "harbor", "--config", str(run_dir / "config.yaml"), "--log-path", str(run_dir),
         "--max-steps", "2", "--json", "--wandb-project", "rlcli-test",

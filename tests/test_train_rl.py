@@ -1,7 +1,7 @@
 """`rlcli train rl` on a real server with the tiny model: every loss runs through the
-cookbook's RL recipe on GSM8K from the shared folder, and arithmetic and a user's JSONL train
-too; the loss guard and bad datasets fail fast; and the server's fused losses make a policy
-learn inside the cookbook's own RL loop."""
+cookbook's RL recipe on GSM8K-format rows of ours (tests/data/gsm8k), and arithmetic and a
+user's JSONL train too; the loss guard and bad datasets fail fast; and the server's fused
+losses make a policy learn inside the cookbook's own RL loop."""
 
 from __future__ import annotations
 
@@ -24,13 +24,10 @@ from tinker_cookbook.rl.types import (
     StepResult,
 )
 
-from conftest import run_rlcli
+from conftest import GSM8K, run_rlcli
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 DEAD_URL = "http://127.0.0.1:9"
 LOSSES = ["importance_sampling", "ppo", "cispo", "dro", "gspo"]
-# CI and sessions have ../shared beside the checkout; elsewhere these tests cannot run.
-needs_gsm8k = pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
 
 
 run = run_rlcli
@@ -44,7 +41,6 @@ def small(server, tiny_model, log_path, *extra) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-@needs_gsm8k
 @pytest.mark.parametrize("loss", LOSSES)
 def test_two_steps_with_each_loss_write_metrics_and_checkpoints(tmp_path, server, tiny_model, loss):
     result = run(*small(server, tiny_model, tmp_path / "run", "--loss", loss, "--max-steps", "2"))
@@ -58,7 +54,6 @@ def test_two_steps_with_each_loss_write_metrics_and_checkpoints(tmp_path, server
     assert "SkyRL" not in result.stderr  # the gspo note is for SkyRL servers, not ours
 
 
-@needs_gsm8k
 def test_a_finished_run_resumes_and_continues(tmp_path, server, tiny_model):
     log = tmp_path / "run"
     first = run(*small(server, tiny_model, log, "--max-steps", "2", "--save-every", "1"))
@@ -70,7 +65,6 @@ def test_a_finished_run_resumes_and_continues(tmp_path, server, tiny_model):
     assert steps == [0, 1, 2]  # step 2 only: the first two were not redone
 
 
-@needs_gsm8k
 def test_guard_refuses_gspo_on_jax_before_anything_runs(tmp_path, tiny_model):
     # No server at all: the backend hint alone decides, and --dry-run needs none either.
     for extra in ((), ("--dry-run",)):
@@ -86,7 +80,6 @@ def test_guard_refuses_gspo_on_jax_before_anything_runs(tmp_path, tiny_model):
         assert not (tmp_path / "run").exists()
 
 
-@needs_gsm8k
 def test_guard_refuses_a_loss_the_live_server_lacks(tmp_path, server, tiny_model):
     result = run(*small(server, tiny_model, tmp_path / "run", "--loss", "dppo"))
     assert result.returncode == 1
@@ -95,13 +88,13 @@ def test_guard_refuses_a_loss_the_live_server_lacks(tmp_path, server, tiny_model
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no rollout happened
 
 
-@needs_gsm8k
 def test_dry_run_needs_no_server_and_bad_flags_are_clear(tmp_path, tiny_model):
     base = ("train", "rl", "--model", str(tiny_model), "--base-url", DEAD_URL, "--dry-run")
-    result = run(*base, "--gsm8k-dir", str(GSM8K), "--batch-size", "32", "--json")
+    result = run(*base, "--gsm8k-dir", str(GSM8K), "--batch-size", "16", "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
-    assert plan["steps"] == 234 and plan["rollouts_per_step"] == 256
+    assert plan["train_problems"] == 36 and plan["steps"] == 3  # 16 + 16 + 4
+    assert plan["rollouts_per_step"] == 128
     assert plan["data_source"] == str(GSM8K.resolve())
     result = run(*base, "--loss-config", "{clip: 1}")
     assert result.returncode == 1 and "--loss-config: not valid JSON" in result.stderr
@@ -135,7 +128,6 @@ def gsm8k20(tmp_path) -> Path:
     return folder
 
 
-@needs_gsm8k
 def test_dry_run_counts_the_rows_that_are_there(tiny_model, gsm8k20):
     result = run(
         "train", "rl", "--model", str(tiny_model), "--base-url", DEAD_URL, "--dry-run", "--json",
@@ -148,7 +140,6 @@ def test_dry_run_counts_the_rows_that_are_there(tiny_model, gsm8k20):
     assert plan["options"]["gsm8k_dir"] == str(gsm8k20.resolve())
 
 
-@needs_gsm8k
 def test_renderer_and_loss_config_json_are_checked_in_a_dry_run(tiny_model):
     base = ("train", "rl", "--model", str(tiny_model), "--gsm8k-dir", str(GSM8K), "--dry-run")
     result = run(*base, "--renderer", "nope")
@@ -158,7 +149,6 @@ def test_renderer_and_loss_config_json_are_checked_in_a_dry_run(tiny_model):
     assert result.returncode == 1 and "expected a JSON object of numbers" in result.stderr
 
 
-@needs_gsm8k
 @pytest.mark.parametrize(
     ("config", "expected"),
     [
@@ -182,7 +172,6 @@ def rollout_fingerprint(run_dir: Path) -> tuple[list[float], list[int]]:
     return entropy, lengths
 
 
-@needs_gsm8k
 def test_seed_makes_data_order_and_sampling_reproducible(tmp_path, server, tiny_model):
     seen = {}
     for name, seed in (("a", "3"), ("b", "3"), ("c", "4")):
@@ -195,7 +184,6 @@ def test_seed_makes_data_order_and_sampling_reproducible(tmp_path, server, tiny_
     assert seen["a"][0] != seen["c"][0] and seen["a"][1] != seen["c"][1]
 
 
-@needs_gsm8k
 def test_sft_checkpoint_kl_penalty_and_temperature_reach_the_recipe(tmp_path, server, tiny_model):
     examples = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
     sft = run(
@@ -231,7 +219,6 @@ def test_sft_checkpoint_kl_penalty_and_temperature_reach_the_recipe(tmp_path, se
     assert result.returncode == 1 and "expected a tinker:// path" in result.stderr
 
 
-@needs_gsm8k
 def test_checkpoint_and_max_tokens_are_checked_before_the_run_folder(tmp_path, server, tiny_model):
     run_dir = tmp_path / "run"
     missing = "tinker://no-such-run/weights/final"
