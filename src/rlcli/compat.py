@@ -79,7 +79,14 @@ def install_run_hooks(report, seed: int = 0) -> None:
     random one), and the recipes say what they are doing. ``report(phase, **fields)``
     receives: ``saving checkpoint`` (step), ``saving final checkpoint``, ``sampling rollouts``
     (step, done, total), ``recipe finished``."""
+    import warnings
+
     import chz
+
+    # The cookbook (0.5.8) still calls the 0.38 client's deprecated `*_async` spellings: the
+    # warning is about its code, not the user's; one per call would flood the run's log.
+    for message in (r"DEPRECATED: ", r"Using the future as the ", r"Deprecated: use "):
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     import tinker
     from tinker_cookbook import checkpoint_utils
     from tinker_cookbook.rl import train as rl_train
