@@ -55,10 +55,7 @@ async def save_weights_external(body: SaveWeightsExternal, state: State):
             "age_encryption_recipients: encrypted exports are not implemented on this server "
             "(it serves the files to this machine only); export without recipients",
         )
-    meta = _meta(state, record, "external_weights", body.path, body.ttl_seconds)
-    folder = str(CheckpointRef(body.model_id, "external_weights", body.path).folder(
-        state.checkpoints_root
-    ))  # fmt: skip
+    folder, meta = _checkpoint(state, record, "external_weights", body.path, body.ttl_seconds)
     op = ops.SaveExternal(body.model_id, folder, meta)
     return state.submit_for(record, op, body.seq_id, body.model_dump_json().encode())
 
@@ -122,8 +119,7 @@ def _create_via_load(body: LoadWeights, state: ServerState) -> dict:
         state.check_base_model(body.base_model)
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
     payload = body.model_dump_json().encode()
-    existing = state.models.get(model_id)
-    if existing is not None or model_id in state.finished_models:
+    if model_id in state.models or model_id in state.finished_models:
         seen = state.model(model_id).seen.get(0)
         if seen is not None and seen[0] == hashlib.sha256(payload).hexdigest():
             return seen[1]
@@ -157,9 +153,12 @@ async def weights_info(body: WeightsInfo, state: State):
     }
 
 
-def _meta(state: ServerState, record, kind: str, name: str, ttl_seconds: int | None) -> dict:
+def _checkpoint(
+    state: ServerState, record, kind: str, name: str, ttl_seconds: int | None
+) -> tuple[str, dict]:
+    """A checkpoint of ``record`` about to be written: its name on disk and its metadata."""
     ref = CheckpointRef(record.model_id, kind, checkpoints.check_name(name or ""))
-    return {
+    return str(ref.folder(state.checkpoints_root)), {
         "checkpoint_id": ref.checkpoint_id,
         "checkpoint_type": checkpoints.TYPES[kind],
         "tinker_path": ref.tinker_path,
@@ -172,8 +171,7 @@ def _meta(state: ServerState, record, kind: str, name: str, ttl_seconds: int | N
 
 def _save(state: ServerState, body: SaveWeights, kind: str) -> dict:
     record = state.model(body.model_id)
-    meta = _meta(state, record, kind, body.path or "", body.ttl_seconds)
-    folder = str(CheckpointRef(body.model_id, kind, body.path).folder(state.checkpoints_root))
+    folder, meta = _checkpoint(state, record, kind, body.path or "", body.ttl_seconds)
     if kind == "weights":
         op = ops.SaveState(body.model_id, folder, meta)
     else:  # also kept as sampler weights, so sampling from it needs no reload
