@@ -29,7 +29,7 @@ logging.getLogger("tinker.lib.internal_client_holder").setLevel(logging.ERROR)
 RLCLI = [sys.executable, "-m", "rlcli.cli.main"]  # the CLI as a user runs it
 
 
-def run_rlcli(*args, stdin=None, env=None, timeout=600) -> subprocess.CompletedProcess:
+def run_rlcli(*args, stdin=None, env=None, timeout=600, cwd=None) -> subprocess.CompletedProcess:
     """Run ``rlcli ARGS`` in a subprocess; ``env`` adds to (not replaces) this environment."""
     return subprocess.run(
         [*RLCLI, *args],
@@ -38,6 +38,7 @@ def run_rlcli(*args, stdin=None, env=None, timeout=600) -> subprocess.CompletedP
         text=True,
         env={**os.environ, **(env or {})},
         timeout=timeout,
+        cwd=cwd,
     )
 
 

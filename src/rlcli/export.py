@@ -12,6 +12,9 @@ what ``peft.PeftModel.from_pretrained`` loads). ``merge`` applies the adapter to
 
 Nothing is half-written: everything is built in a hidden folder beside ``-o DIR`` and renamed
 into place at the end; on any failure the hidden folders go and DIR is as it was.
+Nothing else is lost: ``--force`` replaces a non-empty DIR only when it is a previous export
+(its manifest lists every file in it), checked again just before the rename; any other folder
+(``-o .``, a project folder) is refused, naming it (``check_replaceable``).
 """
 
 from __future__ import annotations
@@ -223,7 +226,8 @@ def export(
             "with_optimizer": with_optimizer,
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        (staged / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        owned = sorted(p.name for p in staged.iterdir())
+        (staged / MANIFEST).write_text(json.dumps({**manifest, "files": owned}, indent=2) + "\n")
         files = [
             {"file": p.name, "bytes": p.stat().st_size}
             for p in sorted(staged.iterdir())
@@ -240,8 +244,10 @@ def check_output(out: Path, force: bool) -> Path:
     out = Path(out).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise RlcliError(f"-o {out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise RlcliError(f"-o {out}: not empty (pass --force to replace it)")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise RlcliError(f"-o {out}: not empty (pass --force to replace an earlier export)")
+        check_replaceable(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -251,14 +257,36 @@ def check_output(out: Path, force: bool) -> Path:
     return out
 
 
+def check_replaceable(out: Path) -> None:
+    """``--force`` replaces only what export owns: a folder whose manifest lists every entry in
+    it. Anything else (a project folder, ``-o .``, an export someone added files to) is refused
+    with one line naming the folder; nothing in it is touched."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+        owned = set(manifest["files"]) | {MANIFEST}
+    except (OSError, ValueError, KeyError, TypeError):
+        raise RlcliError(
+            f"-o {out}: not empty and not an earlier export (no {MANIFEST} listing its files); "
+            "--force replaces only a folder rlcli export wrote: choose a new or empty folder"
+        ) from None
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in owned)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise RlcliError(
+            f"-o {out}: holds files rlcli export did not write ({shown}); --force replaces only "
+            "an export's own files: move them or choose another folder"
+        )
+
+
 def put_in_place(staged: Path, out: Path) -> None:
-    """Rename the finished folder to ``out``; an old ``out`` is moved aside first and removed
-    only once the new one is in place."""
+    """Rename the finished folder to ``out``; an old ``out`` (an earlier export, checked again
+    here) is moved aside first and removed only once the new one is in place."""
     umask = os.umask(0)
     os.umask(umask)
     staged.chmod(0o777 & ~umask)  # mkdtemp made it private; DIR gets the usual mode
     old = None
-    if out.exists():
+    if out.is_dir() and any(out.iterdir()):
+        check_replaceable(out)  # again: files may have arrived during the download
         old = out.parent / f".{out.name}.old-{time.time_ns()}"
         out.rename(old)
     try:

@@ -1,0 +1,121 @@
+"""Issue #23, "nothing lost, nobody let in": faults injected through the public surfaces (the
+CLI, HTTP, the SDK) against real servers on 127.0.0.1, and after each the server's invariants
+checked (`assert_server_sound`): it answers, a training client's weights are finite, nothing
+outside its folders changed, no process of ours is left."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from conftest import run_rlcli
+
+KEY = {"X-API-Key": "tml-dummy"}
+
+
+# ---- the invariants checked after each fault ----------------------------------------------
+
+
+def tree(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder`` (relative path -> size, mtime): to see what changed."""
+    out = {}
+    for path in sorted(Path(folder).rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            st = path.stat()
+            out[str(path.relative_to(folder))] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Live processes below ``pid`` (zombies excluded)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            table[int(entry)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, ppid in table.items() if ppid == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
+def datum(n: int = 12) -> types.Datum:
+    ids = [(7 * i + 3) % 200 + 5 for i in range(n + 1)]
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * n},
+    )
+
+
+def assert_server_sound(base_url: str, trainer=None) -> None:
+    """The server answers health and a forward pass, with finite numbers."""
+    assert httpx.get(f"{base_url}/api/v1/healthz", timeout=10).status_code == 200
+    if trainer is not None:
+        out = trainer.forward([datum()], "cross_entropy").result()
+        assert math.isfinite(out.metrics["loss:sum"])
+
+
+@pytest.fixture(scope="module")
+def saved(server, tiny_model):
+    """One training client with a step taken, saved as a state and as sampler weights."""
+    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-dummy")
+    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=0)
+    trainer.forward_backward([datum()], "cross_entropy").result()
+    trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    return {
+        "trainer": trainer,
+        "sampler": trainer.save_weights_for_sampler("safety").result().path,
+        "state": trainer.save_state("safety").result().path,
+    }
+
+
+# ---- 1. export --force replaces only what export owns ------------------------------------
+
+
+def test_export_force_replaces_only_an_earlier_export(server, saved, tmp_path):
+    url = ["--base-url", server.base_url]
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("precious")
+    (project / "src").mkdir()
+    (project / "src" / "main.py").write_text("print('mine')\n")
+    before = tree(tmp_path)
+
+    # `-o ~/project --force` and `-o . --force` used to move the folder aside and delete it.
+    for target, cwd in ((str(project), None), (".", project)):
+        out = run_rlcli("export", "-c", saved["sampler"], "-o", target, "--force", *url, cwd=cwd)
+        assert out.returncode == 1, out.stdout
+        assert str(project) in out.stderr and "not an earlier export" in out.stderr
+        assert len([ln for ln in out.stderr.splitlines() if ln.startswith("error")]) == 1
+    assert tree(tmp_path) == before  # nothing changed, nothing left beside it
+
+    # An earlier export is replaced...
+    adapter = tmp_path / "adapter"
+    first = run_rlcli("export", "-c", saved["sampler"], "-o", str(adapter), *url)
+    assert first.returncode == 0, first.stderr
+    manifest = json.loads((adapter / "rlcli_export.json").read_text())
+    assert "adapter_model.safetensors" in manifest["files"]
+    again = run_rlcli("export", "-c", saved["sampler"], "-o", str(adapter), "--force", *url)
+    assert again.returncode == 0, again.stderr
+    # ... but not once someone keeps their own files in it.
+    (adapter / "README.md").write_text("my notes on this adapter")
+    kept = run_rlcli("export", "-c", saved["sampler"], "-o", str(adapter), "--force", *url)
+    assert kept.returncode == 1 and "README.md" in kept.stderr
+    assert (adapter / "README.md").read_text() == "my notes on this adapter"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "project"]
+    assert_server_sound(server.base_url, saved["trainer"])
