@@ -5,9 +5,11 @@ outside its folders changed, no process of ours is left."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import tarfile
 from pathlib import Path
 
 import httpx
@@ -118,4 +120,71 @@ def test_export_force_replaces_only_an_earlier_export(server, saved, tmp_path):
     assert kept.returncode == 1 and "README.md" in kept.stderr
     assert (adapter / "README.md").read_text() == "my notes on this adapter"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "project"]
+    assert_server_sound(server.base_url, saved["trainer"])
+
+
+# ---- 2. restore uploads cannot exceed their limits ---------------------------------------
+
+
+def state_files(base_url: str, path: str) -> dict[str, bytes]:
+    """A training state's files as `rlcli export --with-optimizer` gets them."""
+    run_id, kind, name = path.removeprefix("tinker://").split("/")
+    route = f"{base_url}/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/archive"
+    link = httpx.get(route, params={"include_optimizer": "true"}, headers=KEY).json()["url"]
+    with tarfile.open(fileobj=io.BytesIO(httpx.get(link).content)) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar if m.size}
+
+
+def tar_of(files: dict[str, bytes], raw: dict[str, bytes] | None = None) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for block in (raw or {}).values():  # members written by hand
+            tar.fileobj.write(block)
+            tar.offset += len(block)
+    return buffer.getvalue()
+
+
+def gnu_sparse_member(name: str, stored: bytes, realsize: int) -> bytes:
+    """A GNU sparse member (type 'S'): ``stored`` at the end of a file of ``realsize`` bytes,
+    the rest a hole that tarfile's extractfile reads out as zeros."""
+    info = tarfile.TarInfo(name)
+    info.size = len(stored)
+    info.type = tarfile.GNUTYPE_SPARSE
+    header = bytearray(info.tobuf(format=tarfile.GNU_FORMAT))
+
+    def octal(n: int) -> bytes:
+        return b"%011o\0" % n
+
+    header[386:398] = octal(realsize - len(stored))  # the one sparse map entry: offset,
+    header[398:410] = octal(len(stored))  # bytes stored
+    header[483:495] = octal(realsize)  # the file's real size
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header[:512])
+    return bytes(header[:512]) + stored + b"\0" * (-len(stored) % 512)
+
+
+def test_restore_refuses_sparse_members_and_stages_beside_the_checkpoints(server, saved, tmp_path):
+    good = state_files(server.base_url, saved["state"])
+    checkpoints_root = Path(server.command[server.command.index("--checkpoints-dir") + 1])
+    route = f"{server.base_url}/api/v1/rlcli/restore/sparse-run/weights/w"
+    files = {k: v for k, v in good.items() if k != "optimizer.pt"}
+    bomb = tar_of(files, {"optimizer.pt": gnu_sparse_member("optimizer.pt", b"x" * 64, 64 << 20)})
+    assert len(bomb) < 1 << 20  # 64 MiB once unpacked
+    before = tree(checkpoints_root)
+    response = httpx.put(route, content=bomb, headers=KEY, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "not a plain file" in response.json()["detail"]
+    assert tree(checkpoints_root) == before  # nothing written, nothing left staged
+    listed = httpx.get(f"{server.base_url}/api/v1/training_runs/sparse-run", headers=KEY)
+    assert listed.status_code == 404
+
+    ok = httpx.put(route, content=tar_of(good), headers=KEY, timeout=60)
+    assert ok.status_code == 200, ok.text
+    assert not any((checkpoints_root / ".staging").iterdir())  # moved in, nothing left over
+    version = Path(os.path.realpath(checkpoints_root / "sparse-run" / "weights" / "w"))
+    assert (version / "optimizer.pt").read_bytes() == good["optimizer.pt"]
     assert_server_sound(server.base_url, saved["trainer"])

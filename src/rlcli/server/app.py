@@ -47,6 +47,7 @@ def create_app(settings: Settings) -> FastAPI:
         loop = asyncio.get_running_loop()
         state.futures.bind(loop)
         checkpoints.sweep(state.checkpoints_root, grace=0)  # nobody reads yet
+        checkpoints.clear_staging(state.checkpoints_root)
         state.engine.on_death = lambda reason: loop.call_soon_threadsafe(_exit_soon, app, loop)
         state.engine.start()
         task = asyncio.create_task(housekeeping(state))

@@ -207,14 +207,32 @@ def write_adapter(
 
 def write_files(directory: str | Path, sources: dict[str, Path], meta: dict[str, Any]) -> Path:
     """Write a new version of the checkpoint named ``directory`` from files already on disk
-    (``{name in the version: source file}``, e.g. an uploaded state) and point the name at it,
-    as ``write_adapter`` does: a failure at any point leaves the previous version in place."""
+    (``{name in the version: source file}``, e.g. an uploaded state staged in
+    ``staging_dir``) and point the name at it, as ``write_adapter`` does: a failure at any
+    point leaves the previous version in place. The sources are moved (renamed), not copied."""
 
     def fill(version: Path) -> None:
         for name, source in sources.items():
-            shutil.copyfile(source, version / name)
+            os.replace(source, version / name)
 
     return _write_version(directory, fill, meta)
+
+
+STAGING = ".staging"  # uploads being received and checked, on the checkpoints' own disk
+
+
+def staging_dir(root: Path) -> Path:
+    """Where uploads are staged: under the checkpoints root (same disk, so a checked upload is
+    renamed into a version, never copied; not the system temp dir, often RAM). Nothing there
+    is a run: listings read ``<root>/<run_id>/run.json`` only."""
+    folder = Path(root) / STAGING
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def clear_staging(root: Path) -> None:
+    """At start-up: uploads a killed server left half-received."""
+    shutil.rmtree(Path(root) / STAGING, ignore_errors=True)
 
 
 def _write_version(directory: str | Path, fill, meta: dict[str, Any]) -> Path:

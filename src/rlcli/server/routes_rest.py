@@ -288,7 +288,9 @@ async def restore_checkpoint(
         raise HTTPException(
             409, f"path: {ref.tinker_path} exists here (overwrite=true replaces it)"
         )
-    with tempfile.TemporaryDirectory(prefix="rlcli-restore-") as tmp:
+    # Staged on the checkpoints' own disk (the system temp dir is often RAM), then renamed in.
+    staging = checkpoints.staging_dir(state.checkpoints_root)
+    with tempfile.TemporaryDirectory(prefix="restore-", dir=staging) as tmp:
         upload = Path(tmp) / "upload.tar"
         received = 0
         with open(upload, "wb") as out:
@@ -299,7 +301,9 @@ async def restore_checkpoint(
                         413, f"body: larger than {MAX_RESTORE_BYTES >> 30} GiB; not a LoRA state"
                     )
                 out.write(chunk)
-        files = await asyncio.to_thread(_unpack_state, upload, Path(tmp) / "files")
+        files = await asyncio.to_thread(
+            _unpack_state, upload, Path(tmp) / "files", MAX_RESTORE_BYTES
+        )
         run = json.loads(files["run.json"].read_text())
         base_model = state.settings.base_model
         if run.get("base_model") != base_model and not force:
@@ -342,11 +346,16 @@ async def restore_checkpoint(
     return {"tinker_path": ref.tinker_path, "size_bytes": checkpoints.folder_size(version)}
 
 
-def _unpack_state(tar_path: Path, out: Path) -> dict[str, Path]:
-    """The tar's files, checked: regular files with the expected names, each once, whole
-    (sizes as declared), JSON that parses, a safetensors header that fits the file; else 400."""
+def _unpack_state(tar_path: Path, out: Path, cap: int) -> dict[str, Path]:
+    """The tar's files, checked: plain regular files with the expected names, each once, whole
+    (sizes as declared), JSON that parses, a safetensors header that fits the file; else 400.
+
+    Only plain members: a sparse one (GNU or PAX) is written out with its holes filled, so a
+    few KB of upload could become gigabytes. The bytes actually written are counted against
+    ``cap`` as they are written, whatever the headers claim."""
     out.mkdir()
     files: dict[str, Path] = {}
+    written = 0
     try:
         with tarfile.open(tar_path, mode="r:") as tar:
             for member in tar:
@@ -357,12 +366,19 @@ def _unpack_state(tar_path: Path, out: Path) -> dict[str, Path]:
                         400, f"body: unexpected archive member {member.name!r} (a state has "
                         f"{', '.join(RESTORE_FILES)})"
                     )  # fmt: skip
+                if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE) or member.sparse:
+                    raise HTTPException(
+                        400, f"body: {member.name!r} is not a plain file (sparse or special)"
+                    )
                 if member.name in files:
                     raise HTTPException(400, f"body: {member.name!r} appears twice")
                 source = tar.extractfile(member)
                 target = out / member.name
                 with source, open(target, "wb") as f:
                     while chunk := source.read(1 << 20):
+                        written += len(chunk)
+                        if written > cap:
+                            raise HTTPException(413, f"body: unpacks to more than {cap} bytes")
                         f.write(chunk)
                 if target.stat().st_size != member.size:
                     raise HTTPException(400, f"body: {member.name!r} is cut short")
