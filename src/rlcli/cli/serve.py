@@ -71,6 +71,15 @@ def start(
     max_sample_tokens: int = typer.Option(
         16384, help="The most tokens one sample request may ask for (longer ones are refused)."
     ),
+    max_body_mb: float = typer.Option(
+        256,
+        min=0.001,
+        help="Refuse (413) a request body larger than this many MiB, before "
+        "reading it (restore uploads: --max-upload-gb).",
+    ),
+    max_upload_gb: float = typer.Option(
+        16, min=0.000001, help="Refuse (413) a restore upload larger than this many GiB."
+    ),
     wait: float = typer.Option(
         300, help="Seconds to wait for the server to become healthy; then stop it and fail."
     ),
@@ -134,6 +143,8 @@ def start(
         checkpoints_dir=str((checkpoints_dir or home / "checkpoints").expanduser().resolve()),
         session_timeout=session_timeout,
         max_sample_tokens=max_sample_tokens,
+        max_body_mb=max_body_mb,
+        max_upload_gb=max_upload_gb,
         api_key=api_key,
     )
     env = {torch_backend.API_KEY_ENV: api_key} if api_key else {}

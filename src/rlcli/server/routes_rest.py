@@ -257,9 +257,9 @@ def _build_tar(version: Path, extra: dict[str, Path] | None = None) -> str:
 
 RESTORE_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "run.json")
 RESTORE_IGNORED = ("checkpoint.json", "checkpoint_complete")  # the old server's, remade here
-# A LoRA state (adapter + AdamW moments) of a 70B model at rank 64 is a few GB; a body beyond
-# this is refused as it streams in, before it can fill the disk.
-MAX_RESTORE_BYTES = 16 << 30
+# Uploads: their bodies are capped by --max-upload-gb (app.BodyLimit), all others by
+# --max-body-mb. A LoRA state (adapter + AdamW moments) of a 70B model at rank 64 is a few GB.
+UPLOADS = "/api/v1/rlcli/restore/"
 
 
 @router.put("/rlcli/restore/{run_id}/{kind}/{name}")
@@ -292,18 +292,11 @@ async def restore_checkpoint(
     staging = checkpoints.staging_dir(state.checkpoints_root)
     with tempfile.TemporaryDirectory(prefix="restore-", dir=staging) as tmp:
         upload = Path(tmp) / "upload.tar"
-        received = 0
         with open(upload, "wb") as out:
-            async for chunk in request.stream():
-                received += len(chunk)
-                if received > MAX_RESTORE_BYTES:
-                    raise HTTPException(
-                        413, f"body: larger than {MAX_RESTORE_BYTES >> 30} GiB; not a LoRA state"
-                    )
+            async for chunk in request.stream():  # at most --max-upload-gb (app.BodyLimit)
                 out.write(chunk)
-        files = await asyncio.to_thread(
-            _unpack_state, upload, Path(tmp) / "files", MAX_RESTORE_BYTES
-        )
+        cap = state.settings.max_upload_bytes
+        files = await asyncio.to_thread(_unpack_state, upload, Path(tmp) / "files", cap)
         run = json.loads(files["run.json"].read_text())
         base_model = state.settings.base_model
         if run.get("base_model") != base_model and not force:

@@ -14,8 +14,6 @@ from rlcli.server.validate import validate_forward_backward
 
 router = APIRouter(prefix="/api/v1")
 
-MAX_BODY_BYTES = 1 << 30  # a forward_backward body larger than this is refused (413)
-
 
 @router.post("/create_model")
 async def create_model(body: CreateModel, state: State):
@@ -95,7 +93,9 @@ async def forward_backward(request: Request, state: State):
             415, f"forward_backward takes a {wire.PROTO_CONTENT_TYPE} body (tinker>=0.25)"
         )
     body = await request.body()
-    body = wire.decompress(body, request.headers.get("content-encoding", ""), MAX_BODY_BYTES)
+    body = wire.decompress(
+        body, request.headers.get("content-encoding", ""), state.settings.max_body_bytes
+    )
     req = wire.decode_forward_backward(body)
     record = state.model(req.model_id)
     validate_forward_backward(req, info["vocab_size"], info["max_context"])

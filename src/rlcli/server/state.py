@@ -42,6 +42,16 @@ class Settings:
     threads: int | None = None
     session_timeout: float = 300.0  # no heartbeat for this long: the session's adapters go
     max_sample_tokens: int = 16384  # the most tokens one sample request may ask for
+    max_body_mb: float = 256.0  # any request body (after zstd), except restore uploads
+    max_upload_gb: float = 16.0  # a restore upload (a LoRA state: adapter + AdamW moments)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * (1 << 20))
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_gb * (1 << 30))
 
     def engine_settings(self) -> dict[str, Any]:
         return {
