@@ -237,3 +237,55 @@ def test_every_body_is_capped_before_it_is_read(guarded, tiny_model):
     trainer.forward_backward([datum()], "cross_entropy").result()
     trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     assert_server_sound(url, trainer)
+
+
+# ---- 4. a server reachable from other machines needs a key -------------------------------
+
+
+def serve_start(home: Path, *args: str):
+    from typer.testing import CliRunner
+
+    from rlcli.cli.main import app
+
+    return CliRunner().invoke(
+        app, ["serve", "start", "--base-model", "org/model", *args], env={"RLCLI_HOME": str(home)}
+    )
+
+
+def test_exposed_servers_need_a_key(tmp_path, guarded):
+    from rlcli.errors import RlcliError
+
+    for args, needle in (
+        (["--host", "0.0.0.0", "--dry-run"], "--api-key"),
+        (["--host", "192.168.1.20", "--dry-run"], "--api-key"),
+        (["--host", "::", "--dry-run"], "--api-key"),
+        (["--backend", "jax", "--host", "0.0.0.0", "--dry-run"], "reverse proxy"),
+    ):
+        result = serve_start(tmp_path, *args)
+        assert isinstance(result.exception, RlcliError), (args, result.output)
+        message = str(result.exception)
+        assert needle in message and "--insecure" in message and "\n" not in message
+    assert not (tmp_path / "server.json").exists()
+    for args in (
+        ["--host", "0.0.0.0", "--api-key", "tml-k", "--dry-run"],
+        ["--host", "0.0.0.0", "--insecure", "--dry-run"],
+        ["--host", "127.0.0.2", "--dry-run"],
+        ["--host", "localhost", "--dry-run"],
+        ["--backend", "jax", "--host", "0.0.0.0", "--insecure", "--dry-run"],
+    ):
+        result = serve_start(tmp_path, *args)
+        assert result.exit_code == 0, (args, result.output, result.exception)
+
+    # /rlcli/status: model paths and versions only for the key.
+    status = f"{guarded.base_url}/rlcli/status"
+    for headers in ({}, {"X-API-Key": "tml-wrong"}):
+        brief = httpx.get(status, headers=headers).json()
+        assert brief["healthy"] is True
+        assert not {"base_model", "engine", "versions", "error"} & set(brief)
+        assert guarded.base_model not in json.dumps(brief)
+    full = httpx.get(status, headers={"X-API-Key": SECRET}).json()
+    assert full["base_model"] == guarded.base_model and full["versions"]
+    assert httpx.post(f"{guarded.base_url}/api/v1/create_session", json={}).status_code == 401
+    wrong = {"X-API-Key": SECRET[:-1] + "x"}
+    assert httpx.post(f"{guarded.base_url}/api/v1/create_session", headers=wrong).status_code == 403
+    assert_server_sound(guarded.base_url)

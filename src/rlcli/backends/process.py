@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import os
 import signal
@@ -129,6 +130,35 @@ def live_record(home: Path) -> tuple[ServerRecord | None, ServerRecord | None]:
         return record, None
     state_path(home).unlink(missing_ok=True)
     return None, record
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: str | None, insecure: bool, takes_key: bool = True) -> None:
+    """Invariant: a server reachable from other machines needs a key. Binding anything but
+    loopback without ``--api-key`` is refused with one line, unless ``--insecure`` says the
+    exposure is meant; a backend that takes no key (SkyRL) is told how to put one in front."""
+    if insecure or is_loopback(host) or (takes_key and api_key):
+        return
+    if takes_key:
+        raise RlcliError(
+            f"--host {host}: other machines could reach this server, and without --api-key "
+            "anyone there can train, sample and download checkpoints; pass --api-key tml-... "
+            "(clients send it as TINKER_API_KEY), or --insecure to expose it without a key"
+        )
+    raise RlcliError(
+        f"--host {host}: SkyRL's server takes no API key, so anyone who reaches it can use it; "
+        "keep the default --host 127.0.0.1 and put a key in front of it (an SSH tunnel, or a "
+        "reverse proxy that checks X-API-Key), or pass --insecure to expose it as it is"
+    )
 
 
 def check_port_free(host: str, port: int) -> None:

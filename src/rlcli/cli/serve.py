@@ -36,7 +36,11 @@ def start(
         "torch",
         help="torch (embedded, one device) | jax | fsdp | megatron (SkyRL; installed once).",
     ),
-    host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes it."),
+    host: str = typer.Option(
+        "127.0.0.1",
+        help="Address to bind; 0.0.0.0 exposes it to other machines (then --api-key, or "
+        "--insecure).",
+    ),
     port: int = typer.Option(8000, help="Port to listen on."),
     device: str = typer.Option("auto", help="auto | cpu | cuda."),
     dtype: str = typer.Option(
@@ -96,6 +100,9 @@ def start(
     backend_config: str = typer.Option(
         None, help="SkyRL: JSON merged last into SkyRL's --backend-config."
     ),
+    insecure: bool = typer.Option(
+        False, "--insecure", help="Allow a --host other machines reach without an API key."
+    ),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print the commands and configuration; start nothing."
     ),
@@ -107,6 +114,7 @@ def start(
 
     if backend not in BACKENDS:
         raise RlcliError(f"--backend {backend}: unknown backend; choose from {', '.join(BACKENDS)}")
+    process.check_exposure(host, api_key, insecure, takes_key=backend == "torch")
     if backend != "torch":
         _start_skyrl(
             backend, base_model, host, port, device=device, dtype=dtype, api_key=api_key,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import logging
 import time
 from collections import OrderedDict
@@ -110,6 +111,12 @@ class ServerState:
         self.archives: dict[str, tuple[Path, float]] = {}  # download token -> (name, expiry)
         self.checkpoints_root = Path(settings.checkpoints_dir or rlcli_home() / "checkpoints")
         self.checkpoints_root.mkdir(parents=True, exist_ok=True)
+
+    def authorised(self, request: Request) -> bool:
+        """The request carries this server's API key (any key when it has none), compared in
+        constant time."""
+        key, sent = self.settings.api_key, request.headers.get("x-api-key")
+        return not key or (sent is not None and hmac.compare_digest(sent.encode(), key.encode()))
 
     def submit(self, op: ops.Op, model_id: str | None = None) -> dict[str, Any]:
         """Queue ``op`` on the engine; the future the client polls (503 if the engine is gone)."""
