@@ -5,11 +5,15 @@ outside its folders changed, no process of ours is left."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import os
+import signal
+import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 import httpx
@@ -289,3 +293,63 @@ def test_exposed_servers_need_a_key(tmp_path, guarded):
     wrong = {"X-API-Key": SECRET[:-1] + "x"}
     assert httpx.post(f"{guarded.base_url}/api/v1/create_session", headers=wrong).status_code == 403
     assert_server_sound(guarded.base_url)
+
+
+# ---- 5. serve stop never signals a process it did not start -------------------------------
+
+
+def orphaned_session() -> tuple[int, int, int, int]:
+    """A nohup-style job: a session whose leader exited, its member still running.
+    (the dead leader's pid, its start ticks, the member's pid, its start ticks)"""
+    from rlcli.backends import process
+
+    leader = subprocess.Popen(
+        ["sh", "-c", "sleep 600 >/dev/null 2>&1 & sleep 0.5"], start_new_session=True
+    )
+    leader_ticks = process.start_ticks(leader.pid)
+    leader.wait()
+    (member,) = process.family(leader.pid)  # found by its session id: the old leader's pid
+    return leader.pid, leader_ticks, member, process.start_ticks(member)
+
+
+def test_stop_signals_only_what_the_server_record_names(tmp_path):
+    from typer.testing import CliRunner
+
+    from rlcli.backends import process
+    from rlcli.cli.main import app
+
+    leader, leader_ticks, member, member_ticks = orphaned_session()
+    this_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    other_boot = "00000000-0000-0000-0000-000000000000"
+    try:
+
+        def stop_with(**record) -> str:
+            base = {"host": "127.0.0.1", "port": 1, "base_model": "m", "backend": "torch"}
+            record = {**base, "log_path": str(tmp_path / "log"), **record}
+            (tmp_path / "server.json").write_text(json.dumps(record))
+            result = CliRunner().invoke(app, ["serve", "stop", "--grace", "1"],
+                                        env={"RLCLI_HOME": str(tmp_path)})  # fmt: skip
+            assert result.exit_code == 0, result.output
+            assert not (tmp_path / "server.json").exists()
+            return result.output
+
+        # A stale record (its pid dead, e.g. after a reboot) whose old pid is now the session
+        # id of someone's job: the job is not ours, whatever boot the record is from.
+        for boot in (this_boot, other_boot, None):
+            stop_with(pid=leader, start_ticks=leader_ticks, boot_id=boot)
+            assert process.pid_alive(member)
+        # After a reboot the same pid with the same start time is another process.
+        out = stop_with(pid=member, start_ticks=member_ticks, boot_id=other_boot)
+        assert "stale record" in out and process.pid_alive(member)
+        # Members recorded in another boot are not ours either; in this boot they are.
+        members = {str(member): member_ticks}
+        stop_with(pid=leader, start_ticks=leader_ticks, boot_id=other_boot, members=members)
+        assert process.pid_alive(member)
+        stop_with(pid=leader, start_ticks=leader_ticks, boot_id=this_boot, members=members)
+        deadline = time.monotonic() + 10
+        while process.pid_alive(member) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not process.pid_alive(member)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
