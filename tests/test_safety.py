@@ -353,3 +353,34 @@ def test_stop_signals_only_what_the_server_record_names(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(member, signal.SIGKILL)
+
+
+# ---- 8. export --merge keeps the base model's dtype ---------------------------------------
+
+
+def test_merged_export_keeps_a_bf16_base_models_dtype(server, saved, tiny_model, tmp_path):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bf16 = tmp_path / "tiny-bf16"
+    AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.bfloat16).save_pretrained(
+        bf16
+    )
+    AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(bf16)
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    merged = tmp_path / "merged"
+    out = run_rlcli(
+        "export", "-c", saved["sampler"], "-o", str(merged), "--merge",
+        "--base-model", str(bf16), "--base-url", server.base_url,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads((merged / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(merged / "model.safetensors"), "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 (not iterable)
+    assert dtypes == {"BF16"}
+    size = (merged / "model.safetensors").stat().st_size
+    assert size < 1.1 * (bf16 / "model.safetensors").stat().st_size  # not twice the size
+    model = AutoModelForCausalLM.from_pretrained(str(merged))
+    assert model.dtype == torch.bfloat16
+    assert all(torch.isfinite(p.float()).all() for p in model.parameters())

@@ -160,13 +160,18 @@ def unpack(tar_path: Path, folder: Path, wanted: tuple[str, ...]) -> None:
 def merge(adapter: Path, base_model: str, out: Path, say: Say) -> None:
     """Base model + adapter, merged, saved with the tokenizer as a transformers folder.
 
-    Merged in float32 (exact sums), then cast back to the base model's saved dtype."""
+    Merged in float32 (exact sums), then cast back to the base model's saved dtype, read from
+    its config before loading (loading in float32 makes the loaded config say float32)."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     say(f"loading the base model {base_model} ...")
     try:
+        config = AutoConfig.from_pretrained(base_model)
+        saved_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(saved_dtype, str):
+            saved_dtype = getattr(torch, saved_dtype, None)
         model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(base_model)
     except (OSError, ValueError) as e:
@@ -174,11 +179,11 @@ def merge(adapter: Path, base_model: str, out: Path, say: Say) -> None:
             f"cannot load the base model {base_model} here ({type(e).__name__}); pass "
             "--base-model with a local copy or its hub id"
         ) from None
-    saved_dtype = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
     say("merging the adapter ...")
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     if isinstance(saved_dtype, torch.dtype) and saved_dtype != torch.float32:
         merged = merged.to(saved_dtype)
+        merged.config.dtype = saved_dtype
     merged.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
 
