@@ -384,3 +384,56 @@ def test_merged_export_keeps_a_bf16_base_models_dtype(server, saved, tiny_model,
     model = AutoModelForCausalLM.from_pretrained(str(merged))
     assert model.dtype == torch.bfloat16
     assert all(torch.isfinite(p.float()).all() for p in model.parameters())
+
+
+# ---- 7. the housekeeping task cannot die -------------------------------------------------
+
+
+def checkpoints_root_of(record) -> Path:
+    return Path(record.command[record.command.index("--checkpoints-dir") + 1])
+
+
+def test_housekeeping_goes_on_past_a_broken_checkpoints_folder(tmp_path, caplog):
+    import asyncio
+
+    from rlcli.server.state import ServerState, SessionRecord, Settings, housekeeping
+
+    root = tmp_path / "checkpoints"
+    (root / "stray-run").mkdir(parents=True)
+    (root / "stray-run" / "weights").write_text("a stray file where a folder belongs")
+    state = ServerState(Settings(base_model="m", checkpoints_dir=str(root), session_timeout=1))
+
+    async def scenario() -> bool:
+        task = asyncio.create_task(housekeeping(state, every_s=0.05, sweep_every_s=0))
+        await asyncio.sleep(0.5)  # several sweeps over the stray file
+        silent = SessionRecord("silent", [], "test")
+        silent.last_heartbeat -= 60
+        state.sessions["silent"] = silent
+        await asyncio.sleep(0.5)
+        alive = not task.done()
+        task.cancel()
+        return alive
+
+    with caplog.at_level("WARNING", logger="rlcli.server"):
+        assert asyncio.run(scenario())
+    assert "silent" not in state.sessions  # sessions still expire
+    assert len([r for r in caplog.records if "stray-run" in r.getMessage()]) == 1  # said once
+
+
+def test_a_failing_sweep_after_a_save_does_not_fail_the_save(server, saved):
+    run_id = saved["sampler"].removeprefix("tinker://").split("/")[0]
+    kind_dir = checkpoints_root_of(server) / run_id / "sampler_weights"
+    stray = kind_dir / ".link-stray"  # the sweep unlinks old .link-* entries: a folder fails
+    stray.mkdir()
+    os.utime(stray, (time.time() - 3600, time.time() - 3600))
+    try:
+        path = saved["trainer"].save_weights_for_sampler("after-fault").result().path
+        service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-dummy")
+        sampler = service.create_sampling_client(model_path=path)
+        out = sampler.sample(
+            types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=2)
+        ).result()
+        assert len(out.sequences[0].tokens) <= 2
+    finally:
+        stray.rmdir()
+    assert_server_sound(server.base_url, saved["trainer"])

@@ -46,7 +46,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI):
         loop = asyncio.get_running_loop()
         state.futures.bind(loop)
-        checkpoints.sweep(state.checkpoints_root, grace=0)  # nobody reads yet
+        checkpoints.sweep(state.checkpoints_root, grace=0)  # nobody reads yet; never raises
         checkpoints.clear_staging(state.checkpoints_root)
         state.engine.on_death = lambda reason: loop.call_soon_threadsafe(_exit_soon, app, loop)
         state.engine.start()

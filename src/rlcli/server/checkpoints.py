@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from rlcli.server.errors import UserError
+
+log = logging.getLogger("rlcli.server")
 
 KINDS = ("weights", "sampler_weights")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -256,7 +259,10 @@ def _write_version(directory: str | Path, fill, meta: dict[str, Any]) -> Path:
     except BaseException:
         shutil.rmtree(version, ignore_errors=True)
         raise
-    sweep_versions(parent)
+    try:  # the save is done once the name points at it: a failing sweep must not undo that
+        sweep_versions(parent)
+    except OSError as e:
+        _report(parent, e)
     return version
 
 
@@ -306,10 +312,13 @@ def sweep_versions(kind_dir: Path, grace: float = SWEEP_GRACE_S) -> None:
     now = time.time()
     for entry in list(kind_dir.iterdir()):
         if entry.name.startswith(".link-"):
-            if now - _mtime(entry) > grace:
+            if now - _mtime(entry) > grace and entry.is_symlink():
                 entry.unlink(missing_ok=True)
         elif not entry.name.startswith(".") and entry.is_symlink():
-            target = os.readlink(entry)
+            try:
+                target = os.readlink(entry)
+            except FileNotFoundError:  # removed since the listing (a delete, a re-save)
+                continue
             if (kind_dir / target).is_dir():
                 live.add(target)
             else:
@@ -326,15 +335,29 @@ def sweep(root: Path, grace: float = SWEEP_GRACE_S) -> int:
     expired = 0
     now = time.time()
     for kind_dir in [d for kind in KINDS for d in Path(root).glob(f"*/{kind}")]:
-        for entry in list(kind_dir.iterdir()):
-            if entry.name.startswith("."):
-                continue
-            meta = read_meta(Path(os.path.realpath(entry)))
-            if meta is not None and _expired(meta, now):
-                _unname(entry)
-                expired += 1
-        sweep_versions(kind_dir, grace)
+        try:  # one bad folder (a stray file, no permission) does not stop the others
+            for entry in list(kind_dir.iterdir()):
+                if entry.name.startswith("."):
+                    continue
+                meta = read_meta(Path(os.path.realpath(entry)))
+                if meta is not None and _expired(meta, now):
+                    _unname(entry)
+                    expired += 1
+            sweep_versions(kind_dir, grace)
+        except OSError as e:
+            _report(kind_dir, e)
     return expired
+
+
+_reported: set[tuple[str, str]] = set()
+
+
+def _report(folder: Path, error: OSError) -> None:
+    """Log a sweep's failure in ``folder`` once (it would recur at every sweep)."""
+    key = (str(folder), type(error).__name__)
+    if key not in _reported:
+        _reported.add(key)
+        log.warning("checkpoint sweep skipped %s: %s (logged once)", folder, error)
 
 
 def _mtime(path: Path) -> float:

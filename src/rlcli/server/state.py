@@ -218,17 +218,37 @@ def engine_gone(reason: str) -> HTTPException:
     return HTTPException(503, f"engine unavailable: {reason}", headers={"x-should-retry": "false"})
 
 
-async def housekeeping(state: ServerState, every_s: float | None = None) -> None:
-    """Expire silent sessions, and sweep expired or superseded checkpoints, forever."""
+async def housekeeping(
+    state: ServerState, every_s: float | None = None, sweep_every_s: float = 30.0
+) -> None:
+    """Expire silent sessions, and sweep expired or superseded checkpoints, forever.
+
+    Invariant: housekeeping cannot die. Each chore is guarded: an exception is logged (once
+    per distinct error) and the loop goes on, so sessions keep expiring and TTLs keep being
+    applied for the server's life."""
     timeout = state.settings.session_timeout
     period = every_s or max(0.5, min(15.0, timeout / 4))
     last_sweep = 0.0
+    reported: set[str] = set()
+
+    def report(chore: str, error: Exception) -> None:
+        what = f"{chore}: {type(error).__name__}: {error}"
+        if what not in reported:
+            reported.add(what)
+            log.error("housekeeping: %s (logged once; housekeeping goes on)", what, exc_info=error)
+
     while True:
         await asyncio.sleep(period)
-        state.expire_sessions()
-        if time.monotonic() - last_sweep > 30:
+        try:
+            state.expire_sessions()
+        except Exception as e:
+            report("session expiry", e)
+        if time.monotonic() - last_sweep > sweep_every_s:
             last_sweep = time.monotonic()
-            await asyncio.to_thread(checkpoints.sweep, state.checkpoints_root)
+            try:
+                await asyncio.to_thread(checkpoints.sweep, state.checkpoints_root)
+            except Exception as e:
+                report("checkpoint sweep", e)
 
 
 def server_state(request: Request) -> ServerState:
