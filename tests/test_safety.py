@@ -437,3 +437,45 @@ def test_a_failing_sweep_after_a_save_does_not_fail_the_save(server, saved):
     finally:
         stray.rmdir()
     assert_server_sound(server.base_url, saved["trainer"])
+
+
+# ---- 9. a torn metrics.jsonl line freezes nothing ----------------------------------------
+
+
+def test_a_torn_metrics_line_freezes_neither_progress_nor_step_counts(tmp_path):
+    from rlcli.recipes.progress import Follower
+    from rlcli.recipes.runner import metric_values
+
+    def rows(steps) -> str:
+        return "".join(
+            json.dumps({"step": s, "train_mean_nll": 3.0 - s / 10, "num_tokens": 100}) + "\n"
+            for s in steps
+        )
+
+    run = tmp_path / "sl-torn"
+    run.mkdir()
+    # Steps 0-2, then kill -9 mid-write of step 3; the resumed run writes steps 3-7, its
+    # first row completing the torn line.
+    (run / "metrics.jsonl").write_text(rows(range(3)) + '{"step": 3, "train_me' + rows(range(3, 8)))
+    record = {"status": "finished", "kind": "sl", "model": "m", "total_steps": 8, "exit_code": 0}
+    (run / "rlcli_run.json").write_text(json.dumps(record))
+
+    shown = run_rlcli("runs", "show", str(run), "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["steps_done"] == 8
+    assert shown.stderr.count("line 4 is torn") == 1  # said once
+
+    lines: list[str] = []
+    follower = Follower(run, 8, {"train_mean_nll": "loss"}, lines.append, tty=False)
+    follower.seen = 0
+    assert follower.poll() == 7  # every whole row after the torn one
+    assert "step 8/8" in lines[-1]
+    # The final summary reads the same rows (it used to raise, failing a finished run).
+    assert metric_values(run, "train_mean_nll")["train_mean_nll"][-1] == pytest.approx(2.3)
+    # A row still being written is left for the next poll, not skipped as torn.
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 8, "train_mean_nll": 2.2')
+    assert follower.poll() == 0
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write("}\n")
+    assert follower.poll() == 1
