@@ -479,3 +479,92 @@ def test_a_torn_metrics_line_freezes_neither_progress_nor_step_counts(tmp_path):
     with (run / "metrics.jsonl").open("a") as f:
         f.write("}\n")
     assert follower.poll() == 1
+
+
+# ---- 6. deleting a checkpoint gives readers their grace period; archives built once ------
+
+
+def write_version(folder: Path, tmp: Path, value: bytes) -> Path:
+    from rlcli.server import checkpoints
+
+    sources = {}
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        sources[name] = tmp / f"{name}.{time.time_ns()}"
+        sources[name].write_bytes(b'{"r": 2}' if name.endswith(".json") else value)
+    return checkpoints.write_files(folder, sources, {"checkpoint_type": "sampler"})
+
+
+def age(path: Path, seconds: float = 3600) -> None:
+    os.utime(path, (time.time() - seconds, time.time() - seconds))
+
+
+def test_superseded_and_deleted_versions_outlive_their_name_by_the_grace(tmp_path):
+    from rlcli.server import checkpoints
+
+    root = tmp_path / "checkpoints"
+    folder = root / "run" / "sampler_weights" / "policy"
+    old = write_version(folder, tmp_path, b"one")
+    age(old)  # saved an hour ago; a reader resolved it just now
+    new = write_version(folder, tmp_path, b"two")  # the save sweeps its folder afterwards
+    assert (old / "adapter_model.safetensors").read_bytes() == b"one"  # still readable
+    age(new)
+    assert checkpoints.delete(folder)
+    assert checkpoints.resolve(folder) is None  # nothing new finds it...
+    checkpoints.sweep(root)  # ...but a sweep within the grace leaves both versions whole
+    assert (new / "adapter_model.safetensors").read_bytes() == b"two" and old.exists()
+    checkpoints.sweep(root, grace=0)  # after the grace they go
+    assert not new.exists() and not old.exists()
+
+
+def test_concurrent_downloads_share_one_tar_and_leave_nothing(tmp_path):
+    import asyncio
+
+    from rlcli.server.archives import Archives
+
+    version = write_version(tmp_path / "run" / "sampler_weights" / "p", tmp_path, b"w" * 4096)
+    archives = Archives(tmp_path / "tars")
+
+    async def downloads(n: int):
+        got = await asyncio.gather(*(archives.acquire(version, {}) for _ in range(n)))
+        built = sorted(p.name for p in archives.folder.iterdir())
+        for key, _ in got:
+            archives.release(key)
+        await asyncio.sleep(0)
+        return got, built
+
+    got, built = asyncio.run(downloads(8))
+    assert len({path for _, path in got}) == 1 and len(built) == 1  # built once, shared
+    assert not got[0][1].exists()  # removed when the last download ended
+    assert list(archives.folder.iterdir()) == [] and archives.count() == 0
+    (version / "adapter_config.json").unlink()  # a build that fails leaves no partial tar
+    with pytest.raises(FileNotFoundError):
+        asyncio.run(downloads(3))
+    assert list(archives.folder.iterdir()) == [] and archives.count() == 0
+
+
+def test_downloads_racing_a_delete_get_a_whole_tar_or_a_404(server, saved):
+    from concurrent.futures import ThreadPoolExecutor
+
+    trainer = saved["trainer"]
+    path = trainer.save_weights_for_sampler("doomed").result().path
+    run_id, kind, name = path.removeprefix("tinker://").split("/")
+    base = f"{server.base_url}/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"
+    link = httpx.get(f"{base}/archive", headers=KEY).json()["url"]
+
+    def download(_):
+        response = httpx.get(link, timeout=60)
+        if response.status_code == 200:
+            with tarfile.open(fileobj=io.BytesIO(response.content)) as tar:
+                assert "adapter_model.safetensors" in tar.getnames()
+        return response.status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(download, range(8)))  # 8 at once: one tar, shared
+        racing = [pool.submit(download, i) for i in range(8)]
+        assert httpx.delete(base, headers=KEY).status_code == 204
+        codes += [f.result() for f in racing]
+    assert set(codes) <= {200, 404} and codes[:8] == [200] * 8, codes
+    assert httpx.get(link).status_code == 404  # the name is gone
+    tars = checkpoints_root_of(server) / ".staging" / "archives"
+    assert not tars.exists() or list(tars.iterdir()) == []  # every shared tar removed
+    assert_server_sound(server.base_url, trainer)

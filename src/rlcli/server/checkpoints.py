@@ -15,7 +15,9 @@ PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``, what
 A save writes and fsyncs a new version, then swaps the link with one ``rename`` (atomic), so a
 reader that resolved the name reads one whole version. Superseded and interrupted versions are
 swept once no link points to them and they are older than a grace period (readers of the old
-version finish first); expired checkpoints (``ttl_seconds``) are swept the same way.
+version finish first); expired checkpoints (``ttl_seconds``) are swept the same way, and so are
+deleted ones: ``delete`` takes the name away and leaves the version to the sweep. A version's
+grace runs from the moment it lost its name (``_retire`` stamps it then), not from its save.
 """
 
 from __future__ import annotations
@@ -271,10 +273,13 @@ def _point(link: Path, version: Path) -> None:
     first moved aside as a version, so it is swept like one)."""
     if link.is_dir() and not link.is_symlink():
         link.rename(link.parent / f"{VERSION_PREFIX}{link.name}-legacy-{time.time_ns()}")
+    previous = Path(os.path.realpath(link)) if link.is_symlink() else None
     tmp_link = link.parent / f".link-{link.name}-{time.time_ns()}"
     os.symlink(version.name, tmp_link)
     os.replace(tmp_link, link)
     _fsync(link.parent)
+    if previous is not None:
+        _retire(previous)
 
 
 def update_meta(version: Path, **changes: Any) -> dict[str, Any]:
@@ -286,23 +291,33 @@ def update_meta(version: Path, **changes: Any) -> dict[str, Any]:
 
 
 def delete(folder: Path) -> bool:
-    """Remove a checkpoint: the name goes first (atomic), then its version. False if absent."""
-    version = resolve(folder)
-    if version is None:
+    """Remove a checkpoint: its name goes at once (atomic), so nothing new finds it; its version
+    stays for the grace period, so a reader that resolved it before (an archive download, a
+    ``load_weights``, a sampler load) finishes, then the sweep removes it. False if absent."""
+    if resolve(folder) is None:
         return False
     _unname(folder)
-    shutil.rmtree(version, ignore_errors=True)
     return True
 
 
 def _unname(folder: Path) -> None:
     """Take a checkpoint's name away atomically; its version is left for the sweep."""
+    version = Path(os.path.realpath(folder)) if folder.is_symlink() else None
     with contextlib.suppress(FileNotFoundError):
         if folder.is_symlink():
             folder.unlink()
         else:  # a real folder from an older layout
-            folder.rename(folder.parent / f"{VERSION_PREFIX}{folder.name}-gone-{time.time_ns()}")
+            version = folder.parent / f"{VERSION_PREFIX}{folder.name}-gone-{time.time_ns()}"
+            folder.rename(version)
     _fsync(folder.parent)
+    if version is not None:
+        _retire(version)
+
+
+def _retire(version: Path) -> None:
+    """A version just lost its name: its grace period starts now (the sweep reads mtime)."""
+    with contextlib.suppress(OSError):
+        os.utime(version)
 
 
 def sweep_versions(kind_dir: Path, grace: float = SWEEP_GRACE_S) -> None:

@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
-from fastapi.responses import FileResponse
-from starlette.background import BackgroundTask
 
 from rlcli.server import checkpoints, ops
 from rlcli.server.checkpoints import CheckpointRef
@@ -29,7 +27,6 @@ router = APIRouter(prefix="/api/v1")
 public = APIRouter()  # the archive link: the CLI fetches it with plain urllib and no key
 
 ARCHIVE_TTL_S = 15 * 60
-ARCHIVE_FILES = ("adapter_config.json", "adapter_model.safetensors", "checkpoint.json")
 WITH_OPTIMIZER = "o-"  # archive tokens that include optimizer.pt and run.json start so;
 PLAIN = "a-"  # the others start so (a bare random token could begin with "o-")
 
@@ -233,24 +230,9 @@ async def download_archive(token: str, state: State):
             "optimizer.pt": version / "optimizer.pt",
             "run.json": folder.parent.parent / "run.json",
         }
-    tar_path = await asyncio.to_thread(_build_tar, version, extra)
-    return FileResponse(
-        tar_path,
-        media_type="application/x-tar",
-        filename=f"{folder.parent.parent.name}_{folder.parent.name}_{folder.name}.tar",
-        background=BackgroundTask(Path(tar_path).unlink, missing_ok=True),
-    )
-
-
-def _build_tar(version: Path, extra: dict[str, Path] | None = None) -> str:
-    fd, tar_path = tempfile.mkstemp(suffix=".tar")
-    with open(fd, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
-        for name in ARCHIVE_FILES:
-            tar.add(version / name, arcname=name)
-        for name, path in (extra or {}).items():
-            tar.add(path, arcname=name)
-        tar.addfile(tarfile.TarInfo("checkpoint_complete"))  # `tinker ... push-hf` wants it
-    return tar_path
+    key, tar_path = await state.tars.acquire(version, extra)  # shared by concurrent downloads
+    name = f"{folder.parent.parent.name}_{folder.parent.name}_{folder.name}.tar"
+    return state.tars.response(key, tar_path, name)
 
 
 # ---- rlcli restore: a training state exported elsewhere, put back under its tinker:// path ----

@@ -21,6 +21,7 @@ from fastapi import Depends, HTTPException, Request
 
 from rlcli.home import rlcli_home
 from rlcli.server import checkpoints, ops
+from rlcli.server.archives import Archives
 from rlcli.server.engine_process import EngineClient, EngineUnavailable
 from rlcli.server.futures import FutureStore
 
@@ -111,6 +112,7 @@ class ServerState:
         self.archives: dict[str, tuple[Path, float]] = {}  # download token -> (name, expiry)
         self.checkpoints_root = Path(settings.checkpoints_dir or rlcli_home() / "checkpoints")
         self.checkpoints_root.mkdir(parents=True, exist_ok=True)
+        self.tars = Archives(self.checkpoints_root / checkpoints.STAGING / "archives")
 
     def authorised(self, request: Request) -> bool:
         """The request carries this server's API key (any key when it has none), compared in
