@@ -568,3 +568,51 @@ def test_downloads_racing_a_delete_get_a_whole_tar_or_a_404(server, saved):
     tars = checkpoints_root_of(server) / ".staging" / "archives"
     assert not tars.exists() or list(tars.iterdir()) == []  # every shared tar removed
     assert_server_sound(server.base_url, trainer)
+
+
+# ---- 10. a sampler snapshot in use is not evicted -----------------------------------------
+
+
+def test_twenty_rl_clients_sample_from_their_own_steps(server, tiny_model):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = 20  # more clients than the shared LRU's 16 snapshots
+    service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-dummy")
+    prompt = types.ModelInput.from_ints([5, 6, 7, 8])
+    params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=1)
+    barrier = threading.Barrier(n)
+
+    def rl_client(i: int) -> int:
+        trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=i)
+        samplers = []
+        for _ in range(2):
+            trainer.forward_backward([datum()], "cross_entropy").result()
+            trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            samplers.append(trainer.save_weights_and_get_sampling_client())
+            barrier.wait(timeout=300)  # every client has saved before anyone samples
+            samplers[-1].sample(prompt, 1, params).result()
+        samplers[0].sample(prompt, 1, params).result()  # an older step (async RL)
+        assert_server_sound(server.base_url, trainer)
+        return i
+
+    with ThreadPoolExecutor(n) as pool:
+        assert sorted(pool.map(rl_client, range(n))) == list(range(n))
+
+
+def test_snapshots_stay_bounded_per_client():
+    from rlcli.server.samplers import SamplerCache
+
+    live: dict = {}
+    cache = SamplerCache(
+        lambda name, config, state: live.update({name: state}), live.pop, 16, 8, per_client=2
+    )
+    for step in range(30):  # one client saving every step: older steps are not kept forever
+        cache.put(f"ephemeral:a{step}", None, {"step": step}, None, owner="a")
+    assert len(cache.snapshots) == 16 and "ephemeral:a29" in cache.snapshots
+    for c in range(20):  # twenty clients: each one's newest stays, whatever the others do
+        cache.put(f"ephemeral:c{c}", None, {}, None, owner=f"c{c}")
+    assert all(f"ephemeral:c{c}" in cache.snapshots for c in range(20))
+    assert {"ephemeral:a29", "ephemeral:a28"} <= set(cache.snapshots)
+    cache.drop_owner("a")  # its client is gone: its snapshots are spare again
+    assert "ephemeral:a29" not in cache.snapshots
