@@ -616,3 +616,90 @@ def test_snapshots_stay_bounded_per_client():
     assert {"ephemeral:a29", "ephemeral:a28"} <= set(cache.snapshots)
     cache.drop_owner("a")  # its client is gone: its snapshots are spare again
     assert "ephemeral:a29" not in cache.snapshots
+
+
+# ---- 11. check-then-act races: re-checked at commit ---------------------------------------
+
+
+def test_a_restore_rechecks_the_name_when_it_commits(server, saved):
+    import threading
+
+    good = state_files(server.base_url, saved["state"])
+    body = tar_of(good)
+    route = f"{server.base_url}/api/v1/rlcli/restore/race-run/weights/w"
+    halfway = threading.Event()
+
+    def slow_body():  # a long upload: the name is free when it starts
+        yield body[: len(body) // 2]
+        halfway.set()
+        time.sleep(2)
+        yield body[len(body) // 2 :]
+
+    slow = {}
+    thread = threading.Thread(
+        target=lambda: slow.update(r=httpx.put(route, content=slow_body(), headers=KEY, timeout=60))
+    )
+    thread.start()
+    assert halfway.wait(30)
+    fast = httpx.put(route, content=body, headers=KEY, timeout=60)  # takes the name meanwhile
+    thread.join(60)
+    assert fast.status_code == 200, fast.text
+    assert slow["r"].status_code == 409, slow["r"].text  # not a silent overwrite
+    assert "exists" in slow["r"].json()["detail"]
+    kind_dir = checkpoints_root_of(server) / "race-run" / "weights"
+    names = [p.name for p in kind_dir.iterdir() if not p.name.startswith(".")]
+    assert names == ["w"]
+    assert_server_sound(server.base_url, saved["trainer"])
+
+
+def test_run_json_is_written_only_once_the_adapter_exists(tiny_model, tmp_path):
+    from rlcli.server import checkpoints, ops
+    from rlcli.server.engine import Engine
+    from rlcli.server.errors import UserError
+
+    engine = Engine(str(tiny_model), device="cpu", dtype="float32", max_lora_rank=8)
+    root = tmp_path / "checkpoints"
+
+    def create(name: str, rank: int):
+        run = {"training_run_id": name, "base_model": str(tiny_model), "lora": {"rank": rank}}
+        op = ops.CreateAdapter(name, rank, 0, run_record=run, checkpoints_root=str(root))
+        return op.run(engine)
+
+    with pytest.raises(UserError):
+        create("too-big", 9)  # the engine refuses the adapter: no run is left listed
+    assert checkpoints.read_run(root, "too-big") is None and checkpoints.list_runs(root) == []
+    create("fine", 4)
+    assert checkpoints.read_run(root, "fine")["lora"] == {"rank": 4}
+
+
+def test_publish_and_ttl_racing_saves_of_the_same_name(server, saved):
+    import threading
+
+    trainer = saved["trainer"]
+    path = trainer.save_weights_for_sampler("contested").result().path
+    run_id, kind, name = path.removeprefix("tinker://").split("/")
+    base = f"{server.base_url}/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"
+    codes = []
+    done = threading.Event()
+
+    def edits():
+        while not done.is_set():
+            codes.append(httpx.post(f"{base}/publish", headers=KEY).status_code)
+            codes.append(
+                httpx.put(f"{base}/ttl", json={"ttl_seconds": 3600}, headers=KEY).status_code
+            )
+
+    thread = threading.Thread(target=edits)
+    thread.start()
+    try:
+        for _ in range(5):
+            trainer.save_weights_for_sampler("contested").result()
+    finally:
+        done.set()
+        thread.join(30)
+    assert codes and set(codes) == {204}, codes
+    assert httpx.post(f"{base}/publish", headers=KEY).status_code == 204
+    listed = httpx.get(f"{server.base_url}/api/v1/training_runs/{run_id}/checkpoints", headers=KEY)
+    (meta,) = [c for c in listed.json()["checkpoints"] if c["checkpoint_id"] == f"{kind}/{name}"]
+    assert meta["public"] is True
+    assert_server_sound(server.base_url, trainer)

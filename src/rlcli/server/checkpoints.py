@@ -47,6 +47,12 @@ class CheckpointError(UserError):
     """A bad checkpoint name or path; the message says which and why."""
 
 
+class CheckpointExists(CheckpointError):
+    """An exclusive write found the name taken (by a save that committed first)."""
+
+    status = 409
+
+
 @dataclass(frozen=True)
 class CheckpointRef:
     run_id: str
@@ -210,17 +216,21 @@ def write_adapter(
     return _write_version(directory, fill, meta)
 
 
-def write_files(directory: str | Path, sources: dict[str, Path], meta: dict[str, Any]) -> Path:
+def write_files(
+    directory: str | Path, sources: dict[str, Path], meta: dict[str, Any], exclusive: bool = False
+) -> Path:
     """Write a new version of the checkpoint named ``directory`` from files already on disk
     (``{name in the version: source file}``, e.g. an uploaded state staged in
     ``staging_dir``) and point the name at it, as ``write_adapter`` does: a failure at any
-    point leaves the previous version in place. The sources are moved (renamed), not copied."""
+    point leaves the previous version in place. The sources are moved (renamed), not copied.
+    ``exclusive``: only if no live checkpoint has the name when the name is set (checked at that
+    moment, not before a long upload); else ``CheckpointExists`` and nothing is written."""
 
     def fill(version: Path) -> None:
         for name, source in sources.items():
             os.replace(source, version / name)
 
-    return _write_version(directory, fill, meta)
+    return _write_version(directory, fill, meta, exclusive)
 
 
 STAGING = ".staging"  # uploads being received and checked, on the checkpoints' own disk
@@ -240,7 +250,9 @@ def clear_staging(root: Path) -> None:
     shutil.rmtree(Path(root) / STAGING, ignore_errors=True)
 
 
-def _write_version(directory: str | Path, fill, meta: dict[str, Any]) -> Path:
+def _write_version(
+    directory: str | Path, fill, meta: dict[str, Any], exclusive: bool = False
+) -> Path:
     """The one way a checkpoint is written (invariant 3): ``fill(version)`` writes the files
     into a new hidden version folder, ``checkpoint.json`` is added, everything is fsynced, and
     the name ``directory`` is re-pointed at the version in one rename. A failure at any point
@@ -257,7 +269,7 @@ def _write_version(directory: str | Path, fill, meta: dict[str, Any]) -> Path:
         for path in version.iterdir():
             _fsync(path)
         _fsync(version)
-        _point(link, version)
+        _point(link, version, exclusive)
     except BaseException:
         shutil.rmtree(version, ignore_errors=True)
         raise
@@ -268,9 +280,20 @@ def _write_version(directory: str | Path, fill, meta: dict[str, Any]) -> Path:
     return version
 
 
-def _point(link: Path, version: Path) -> None:
+def _point(link: Path, version: Path, exclusive: bool = False) -> None:
     """Make ``link`` name ``version`` in one rename (a real folder from an older layout is
-    first moved aside as a version, so it is swept like one)."""
+    first moved aside as a version, so it is swept like one). ``exclusive``: a free name is
+    taken with one ``symlink`` (which fails if another writer took it first); a live one is
+    ``CheckpointExists``."""
+    if exclusive:
+        try:
+            os.symlink(version.name, link)
+            _fsync(link.parent)
+            return
+        except FileExistsError:
+            if resolve(link) is not None:
+                ref = f"{link.parent.parent.name}/{link.parent.name}/{link.name}"
+                raise CheckpointExists(f"path: tinker://{ref} exists here") from None
     if link.is_dir() and not link.is_symlink():
         link.rename(link.parent / f"{VERSION_PREFIX}{link.name}-legacy-{time.time_ns()}")
     previous = Path(os.path.realpath(link)) if link.is_symlink() else None
@@ -288,6 +311,17 @@ def update_meta(version: Path, **changes: Any) -> dict[str, Any]:
     meta.update(changes)
     _atomic_write(version / "checkpoint.json", json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def edit_meta(folder: Path, **changes: Any) -> dict[str, Any] | None:
+    """Change the metadata of the checkpoint named ``folder`` (publish, TTL), re-checked at
+    commit: if a save re-pointed the name meanwhile, the new version is edited too, so an
+    edit is never left on a superseded version only. None if the name resolves to nothing."""
+    while (version := resolve(folder)) is not None:
+        meta = update_meta(version, **changes)
+        if resolve(folder) == version:
+            return meta
+    return None
 
 
 def delete(folder: Path) -> bool:

@@ -167,21 +167,25 @@ async def delete_checkpoint(run_id: str, kind: str, name: str, state: State):
 async def publish_checkpoint(run_id: str, kind: str, name: str, state: State):
     # Idempotent: publishing a public checkpoint is a success, not a 409 (which tinker 0.25
     # retries for minutes).
-    _, version = _find_checkpoint(state, run_id, kind, name)
-    checkpoints.update_meta(version, public=True)
+    _edit(state, run_id, kind, name, public=True)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", status_code=204)
 async def unpublish_checkpoint(run_id: str, kind: str, name: str, state: State):
-    _, version = _find_checkpoint(state, run_id, kind, name)
-    checkpoints.update_meta(version, public=False)
+    _edit(state, run_id, kind, name, public=False)
 
 
 @router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", status_code=204)
 async def set_checkpoint_ttl(run_id: str, kind: str, name: str, body: SetTtl, state: State):
-    _, version = _find_checkpoint(state, run_id, kind, name)
     expires = time.time() + body.ttl_seconds if body.ttl_seconds else None
-    checkpoints.update_meta(version, expires_at=expires)
+    _edit(state, run_id, kind, name, expires_at=expires)
+
+
+def _edit(state: ServerState, run_id: str, kind: str, name: str, **changes: Any) -> None:
+    """Publish / TTL: applied to the version the name points to when the edit commits."""
+    folder, _ = _find_checkpoint(state, run_id, kind, name)
+    if checkpoints.edit_meta(folder, **changes) is None:
+        raise HTTPException(404, f"path: the checkpoint {kind}/{name} was deleted meanwhile")
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/archive")
@@ -317,7 +321,17 @@ async def restore_checkpoint(
             }
             checkpoints.write_run(state.checkpoints_root, run_id, record)
         sources = {n: files[n] for n in RESTORE_FILES if n != "run.json"}
-        version = await asyncio.to_thread(checkpoints.write_files, folder, sources, meta)
+        # Checked again as the name is set: another restore or a save may have taken it
+        # during the upload (409, nothing written).
+        try:
+            version = await asyncio.to_thread(
+                checkpoints.write_files, folder, sources, meta, not overwrite
+            )
+        except BaseException:
+            root = state.checkpoints_root
+            if here is None and not checkpoints.list_checkpoints(root, run_id):
+                (root / run_id / "run.json").unlink(missing_ok=True)  # no orphan run left
+            raise
     return {"tinker_path": ref.tinker_path, "size_bytes": checkpoints.folder_size(version)}
 
 

@@ -7,7 +7,7 @@ import uuid
 
 from fastapi import APIRouter, HTTPException, Request
 
-from rlcli.server import checkpoints, ops, wire
+from rlcli.server import ops, wire
 from rlcli.server.schemas import CreateModel, LoraConfig, ModelRef, OptimStep
 from rlcli.server.state import ModelRecord, State
 from rlcli.server.validate import validate_forward_backward
@@ -37,22 +37,25 @@ async def create_model(body: CreateModel, state: State):
         lora.model_dump(),
         dict(body.user_metadata or {}),
     )
-    checkpoints.write_run(
-        state.checkpoints_root,
-        model_id,
-        {
-            "training_run_id": model_id,
-            "base_model": record.base_model,
-            "lora": record.lora,
-            "session_id": body.session_id,
-            "user_metadata": record.user_metadata,
-            "created": record.created,
-        },
-    )
+    run = {
+        "training_run_id": model_id,
+        "base_model": record.base_model,
+        "lora": record.lora,
+        "session_id": body.session_id,
+        "user_metadata": record.user_metadata,
+        "created": record.created,
+    }
     future = state.submit(
         ops.CreateAdapter(
-            model_id, lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed
-        ),
+            model_id,
+            lora.rank,
+            lora.seed,
+            lora.train_mlp,
+            lora.train_attn,
+            lora.train_unembed,
+            run_record=run,
+            checkpoints_root=str(state.checkpoints_root),
+        ),  # run.json is written by the engine once the adapter exists
         model_id,
     )
     state.models[model_id] = record
