@@ -1,7 +1,9 @@
 """Issue #23, "nothing lost, nobody let in": faults injected through the public surfaces (the
-CLI, HTTP, the SDK) against real servers on 127.0.0.1, and after each the server's invariants
-checked (`assert_server_sound`): it answers, a training client's weights are finite, nothing
-outside its folders changed, no process of ours is left."""
+CLI, HTTP, the SDK) against real servers on 127.0.0.1, and after each the invariants checked:
+the server answers and a training client's forward pass is finite (`assert_server_sound`);
+no process of ours is left and nothing is left in the temp dir the servers and CLI runs use
+(`nothing_left_behind`, after every test); the folders a fault touched hold what they held
+(`tree`, in the tests). Sections follow the issue's items."""
 
 from __future__ import annotations
 
