@@ -20,6 +20,10 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")  # tests talk to our server only
 # (tests that need a home of their own set RLCLI_HOME themselves).
 os.environ["RLCLI_HOME"] = tempfile.mkdtemp(prefix="rlcli-test-home-")
 atexit.register(shutil.rmtree, os.environ["RLCLI_HOME"], ignore_errors=True)
+# Servers and CLI runs the tests start get a temp dir of their own (this process keeps /tmp):
+# test_safety.py checks that nothing is left in it.
+os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="rlcli-test-tmp-")
+atexit.register(shutil.rmtree, os.environ["TMPDIR"], ignore_errors=True)
 # SDK clients made by tests keep heartbeating from a background thread after their server
 # has been stopped; at interpreter exit their warnings hit closed streams and print
 # "--- Logging error ---" after pytest's summary. Those warnings are expected here.
@@ -63,7 +67,7 @@ def pytest_make_collect_report(collector):  # a module that skips itself as a wh
 
 
 def run_rlcli(
-    *args, stdin=None, env=None, timeout=600, without: str | None = None
+    *args, stdin=None, env=None, timeout=600, without: str | None = None, cwd=None
 ) -> subprocess.CompletedProcess:
     """Run ``rlcli ARGS`` in a subprocess; ``env`` adds to (not replaces) this environment.
     ``without`` names a package that process cannot import, as if it were not installed
@@ -79,6 +83,7 @@ def run_rlcli(
         text=True,
         env={**os.environ, **(env or {})},
         timeout=timeout,
+        cwd=cwd,
     )
 
 

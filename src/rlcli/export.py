@@ -12,6 +12,9 @@ what ``peft.PeftModel.from_pretrained`` loads). ``merge`` applies the adapter to
 
 Nothing is half-written: everything is built in a hidden folder beside ``-o DIR`` and renamed
 into place at the end; on any failure the hidden folders go and DIR is as it was.
+Nothing else is lost: ``--force`` replaces a non-empty DIR only when it is a previous export
+(its manifest lists every file in it), checked again just before the rename; any other folder
+(``-o .``, a project folder) is refused, naming it (``check_replaceable``).
 """
 
 from __future__ import annotations
@@ -157,13 +160,18 @@ def unpack(tar_path: Path, folder: Path, wanted: tuple[str, ...]) -> None:
 def merge(adapter: Path, base_model: str, out: Path, say: Say) -> None:
     """Base model + adapter, merged, saved with the tokenizer as a transformers folder.
 
-    Merged in float32 (exact sums), then cast back to the base model's saved dtype."""
+    Merged in float32 (exact sums), then cast back to the base model's saved dtype, read from
+    its config before loading (loading in float32 makes the loaded config say float32)."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     say(f"loading the base model {base_model} ...")
     try:
+        config = AutoConfig.from_pretrained(base_model)
+        saved_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(saved_dtype, str):
+            saved_dtype = getattr(torch, saved_dtype, None)
         model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(base_model)
     except (OSError, ValueError) as e:
@@ -171,11 +179,11 @@ def merge(adapter: Path, base_model: str, out: Path, say: Say) -> None:
             f"cannot load the base model {base_model} here ({type(e).__name__}); pass "
             "--base-model with a local copy or its hub id"
         ) from None
-    saved_dtype = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
     say("merging the adapter ...")
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     if isinstance(saved_dtype, torch.dtype) and saved_dtype != torch.float32:
         merged = merged.to(saved_dtype)
+        merged.config.dtype = saved_dtype
     merged.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
 
@@ -223,7 +231,8 @@ def export(
             "with_optimizer": with_optimizer,
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        (staged / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        owned = sorted(p.name for p in staged.iterdir())
+        (staged / MANIFEST).write_text(json.dumps({**manifest, "files": owned}, indent=2) + "\n")
         files = [
             {"file": p.name, "bytes": p.stat().st_size}
             for p in sorted(staged.iterdir())
@@ -240,8 +249,10 @@ def check_output(out: Path, force: bool) -> Path:
     out = Path(out).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise RlcliError(f"-o {out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise RlcliError(f"-o {out}: not empty (pass --force to replace it)")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise RlcliError(f"-o {out}: not empty (pass --force to replace an earlier export)")
+        check_replaceable(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -251,14 +262,36 @@ def check_output(out: Path, force: bool) -> Path:
     return out
 
 
+def check_replaceable(out: Path) -> None:
+    """``--force`` replaces only what export owns: a folder whose manifest lists every entry in
+    it. Anything else (a project folder, ``-o .``, an export someone added files to) is refused
+    with one line naming the folder; nothing in it is touched."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+        owned = set(manifest["files"]) | {MANIFEST}
+    except (OSError, ValueError, KeyError, TypeError):
+        raise RlcliError(
+            f"-o {out}: not empty and not an earlier export (no {MANIFEST} listing its files); "
+            "--force replaces only a folder rlcli export wrote: choose a new or empty folder"
+        ) from None
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in owned)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise RlcliError(
+            f"-o {out}: holds files rlcli export did not write ({shown}); --force replaces only "
+            "an export's own files: move them or choose another folder"
+        )
+
+
 def put_in_place(staged: Path, out: Path) -> None:
-    """Rename the finished folder to ``out``; an old ``out`` is moved aside first and removed
-    only once the new one is in place."""
+    """Rename the finished folder to ``out``; an old ``out`` (an earlier export, checked again
+    here) is moved aside first and removed only once the new one is in place."""
     umask = os.umask(0)
     os.umask(umask)
     staged.chmod(0o777 & ~umask)  # mkdtemp made it private; DIR gets the usual mode
     old = None
-    if out.exists():
+    if out.is_dir() and any(out.iterdir()):
+        check_replaceable(out)  # again: files may have arrived during the download
         old = out.parent / f".{out.name}.old-{time.time_ns()}"
         out.rename(old)
     try:

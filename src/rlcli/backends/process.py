@@ -7,14 +7,19 @@ CLI; a foreground one (``run_foreground``) is a child of the CLI that dies with 
 recorded the same way, so ``serve status | stop | logs`` see either.
 
 A recorded pid is only trusted while ``/proc/<pid>/stat`` still shows the start time recorded
-with it: after a crash and a reboot (or pid reuse) the same number can belong to an unrelated
-process, which ``stop`` must never signal.
+with it, in the same boot (``/proc/sys/kernel/random/boot_id``): after a crash and a reboot (or
+pid reuse) the same number, even with the same start time, can belong to an unrelated process.
+Invariant: ``stop`` signals only processes it started: the server's own pid while it is the
+recorded process, its session and tree while it leads them, and, once it is gone, only the
+members recorded in ``server.json`` (pid + start time, same boot), never whatever now has a
+session id equal to the old pid (a nohup job whose session leader exited can).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import os
 import signal
@@ -45,6 +50,10 @@ class ServerRecord:
     # /proc/<pid>/stat field 22 (clock ticks after boot): pid + start time name one process.
     start_ticks: int | None = None
     foreground: bool = False  # the pid is an `rlcli serve start --foreground` process
+    boot_id: str | None = None  # the boot it ran in: pids and start times mean nothing after
+    # Its session and tree once it was up ({pid: start ticks}): what a stop may end after the
+    # server's own process has gone.
+    members: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -96,6 +105,14 @@ def start_ticks(pid: int) -> int | None:
     return int(fields[19])  # fields[0] is field 3 (state), so field 22 is fields[19]
 
 
+def boot_id() -> str | None:
+    """This boot's id (a new one after every reboot)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -112,7 +129,10 @@ def pid_alive(pid: int) -> bool:
 
 
 def is_ours(record: ServerRecord) -> bool:
-    """The recorded pid is alive and is still the process that was recorded."""
+    """The recorded pid is alive and is still the process that was recorded (same boot, same
+    start time)."""
+    if record.boot_id is not None and record.boot_id != boot_id():
+        return False  # another boot: whatever has that pid now is not ours
     if not pid_alive(record.pid):
         return False
     if record.start_ticks is None:  # a record from before start times were kept
@@ -129,6 +149,35 @@ def live_record(home: Path) -> tuple[ServerRecord | None, ServerRecord | None]:
         return record, None
     state_path(home).unlink(missing_ok=True)
     return None, record
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: str | None, insecure: bool, takes_key: bool = True) -> None:
+    """Invariant: a server reachable from other machines needs a key. Binding anything but
+    loopback without ``--api-key`` is refused with one line, unless ``--insecure`` says the
+    exposure is meant; a backend that takes no key (SkyRL) is told how to put one in front."""
+    if insecure or is_loopback(host) or (takes_key and api_key):
+        return
+    if takes_key:
+        raise RlcliError(
+            f"--host {host}: other machines could reach this server, and without --api-key "
+            "anyone there can train, sample and download checkpoints; pass --api-key tml-... "
+            "(clients send it as TINKER_API_KEY), or --insecure to expose it without a key"
+        )
+    raise RlcliError(
+        f"--host {host}: SkyRL's server takes no API key, so anyone who reaches it can use it; "
+        "keep the default --host 127.0.0.1 and put a key in front of it (an SSH tunnel, or a "
+        "reverse proxy that checks X-API-Key), or pass --insecure to expose it as it is"
+    )
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -238,6 +287,22 @@ def family(pid: int) -> dict[int, int | None]:
     return {p: start_ticks(p) for p in found}
 
 
+def remember_family(home: Path, record: ServerRecord) -> None:
+    """Record the server's session and tree now (it is up), so a stop after its own process
+    died ends exactly these and nothing that merely shares the old session id."""
+    record.members = {str(p): ticks for p, ticks in family(record.pid).items()}
+    on_disk = read_record(home)
+    if on_disk is not None and on_disk.pid == record.pid and is_ours(record):
+        _write_record(home, record)
+
+
+def recorded_members(record: ServerRecord) -> dict[int, int | None]:
+    """The members a record names, if it was written in this boot (else none are ours)."""
+    if record.boot_id is None or record.boot_id != boot_id():
+        return {}
+    return {int(p): ticks for p, ticks in record.members.items() if ticks is not None}
+
+
 def end_family(members: dict[int, int | None], grace: float) -> None:
     """SIGTERM what is left of ``members`` (each still the process recorded), SIGKILL after
     ``grace`` s."""
@@ -336,6 +401,7 @@ def start_detached(
         log_path=str(log),
         command=command,
         start_ticks=start_ticks(process.pid),
+        boot_id=boot_id(),
     )
     _write_record(home, record)
     deadline = time.monotonic() + wait
@@ -349,6 +415,7 @@ def start_detached(
                 break
             healthy, detail = health(record.base_url, timeout=1.0)
             if healthy:
+                remember_family(home, record)
                 return record, True
             if not detail.startswith("no answer") and detail != LOADING:
                 failure = f"the server failed while starting: {detail}"
@@ -425,6 +492,7 @@ def run_foreground(
             command=command,
             start_ticks=start_ticks(me),
             foreground=True,
+            boot_id=boot_id(),
         )
         _write_record(home, record)
         try:
@@ -467,10 +535,11 @@ def stop(home: Path, grace: float = 15.0) -> tuple[ServerRecord | None, str]:
     """
     record, stale = live_record(home)
     if record is None:
-        if stale is not None and not stale.foreground and not pid_alive(stale.pid):
-            # It died on its own: what it started may live on in its session (an engine, Ray).
-            # The pid is free, so no other process leads a session with that number.
-            end_family(family(stale.pid), grace=grace)
+        if stale is not None and not stale.foreground:
+            # It died on its own: what it started may live on (an engine, Ray). Only the
+            # members recorded with it, each still the same process in the same boot: a
+            # session id equal to the old pid proves nothing once that pid has gone.
+            end_family(recorded_members(stale), grace=grace)
         return stale, "stale" if stale else "not running"
 
     def send(sig: int) -> None:
@@ -480,7 +549,7 @@ def stop(home: Path, grace: float = 15.0) -> tuple[ServerRecord | None, str]:
             else:
                 os.killpg(record.pid, sig)
 
-    members = {} if record.foreground else family(record.pid)
+    members = {} if record.foreground else {**recorded_members(record), **family(record.pid)}
     send(signal.SIGTERM)
     how = "stopped"
     deadline = time.monotonic() + grace

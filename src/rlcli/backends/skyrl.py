@@ -401,4 +401,5 @@ def start(
         backend=options.backend, wait=wait, env=env,
     )  # fmt: skip
     wait_for_engine(home, record, max(1.0, wait - (time.monotonic() - started)))
+    process.remember_family(home, record)  # the engine and Ray's workers, now they exist
     return {"base_url": record.base_url, "pid": record.pid, "healthy": True, "log": record.log_path}

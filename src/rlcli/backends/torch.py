@@ -25,6 +25,8 @@ class TorchServerOptions:
     api_key: str | None = None
     session_timeout: float = 300.0
     max_sample_tokens: int = 16384
+    max_body_mb: float = 256.0
+    max_upload_gb: float = 16.0
 
 
 def check_base_model(name: str, report=None) -> str:
@@ -57,6 +59,8 @@ def server_command(options: TorchServerOptions) -> list[str]:
         "--max-lora-rank", str(options.max_lora_rank),
         "--session-timeout", str(options.session_timeout),
         "--max-sample-tokens", str(options.max_sample_tokens),
+        "--max-body-mb", str(options.max_body_mb),
+        "--max-upload-gb", str(options.max_upload_gb),
     ]  # fmt: skip
     if options.grad_checkpointing is not None:
         command.append(f"--{'' if options.grad_checkpointing else 'no-'}grad-checkpointing")

@@ -43,7 +43,11 @@ def export(
         "--base-model",
         help="With --merge: where to load the base model from (default: the checkpoint's).",
     ),
-    force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder."),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Replace an earlier export in the output folder (refused for any other folder).",
+    ),
     base_url: str = BASE_URL,
     as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ) -> None:

@@ -36,7 +36,11 @@ def start(
         "torch",
         help="torch (embedded, one device) | jax | fsdp | megatron (SkyRL; installed once).",
     ),
-    host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes it."),
+    host: str = typer.Option(
+        "127.0.0.1",
+        help="Address to bind; 0.0.0.0 exposes it to other machines (then --api-key, or "
+        "--insecure).",
+    ),
     port: int = typer.Option(8000, help="Port to listen on."),
     device: str = typer.Option("auto", help="auto | cpu | cuda."),
     dtype: str = typer.Option(
@@ -71,6 +75,15 @@ def start(
     max_sample_tokens: int = typer.Option(
         16384, help="The most tokens one sample request may ask for (longer ones are refused)."
     ),
+    max_body_mb: float = typer.Option(
+        256,
+        min=0.001,
+        help="Refuse (413) a request body larger than this many MiB, before "
+        "reading it (restore uploads: --max-upload-gb).",
+    ),
+    max_upload_gb: float = typer.Option(
+        16, min=0.000001, help="Refuse (413) a restore upload larger than this many GiB."
+    ),
     wait: float = typer.Option(
         300, help="Seconds to wait for the server to become healthy; then stop it and fail."
     ),
@@ -87,6 +100,9 @@ def start(
     backend_config: str = typer.Option(
         None, help="SkyRL: JSON merged last into SkyRL's --backend-config."
     ),
+    insecure: bool = typer.Option(
+        False, "--insecure", help="Allow a --host other machines reach without an API key."
+    ),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print the commands and configuration; start nothing."
     ),
@@ -98,6 +114,7 @@ def start(
 
     if backend not in BACKENDS:
         raise RlcliError(f"--backend {backend}: unknown backend; choose from {', '.join(BACKENDS)}")
+    process.check_exposure(host, api_key, insecure, takes_key=backend == "torch")
     if backend != "torch":
         _start_skyrl(
             backend, base_model, host, port, device=device, dtype=dtype, api_key=api_key,
@@ -134,6 +151,8 @@ def start(
         checkpoints_dir=str((checkpoints_dir or home / "checkpoints").expanduser().resolve()),
         session_timeout=session_timeout,
         max_sample_tokens=max_sample_tokens,
+        max_body_mb=max_body_mb,
+        max_upload_gb=max_upload_gb,
         api_key=api_key,
     )
     env = {torch_backend.API_KEY_ENV: api_key} if api_key else {}

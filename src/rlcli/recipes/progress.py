@@ -69,20 +69,36 @@ class Rates:
 
 
 def read_rows(path: Path, seen: int) -> tuple[list[dict], int]:
-    """The JSONL rows of ``path`` after the first ``seen``, and the new count (a row still
-    being written is left for the next read)."""
+    """The JSONL rows of ``path`` after its first ``seen`` lines, and the lines read so far.
+
+    Only whole lines count: one still being written (no newline yet) is left for the next read.
+    A whole line that does not parse is skipped, and said once: a run killed mid-write leaves a
+    torn line, which the resumed run's first row then completes; the rows after it stand (the
+    old reader stopped there, freezing progress and step counts)."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(errors="replace").split("\n")[:-1]
     except FileNotFoundError:
         return [], seen
     rows = []
-    for line in lines[seen:]:
+    for number, line in enumerate(lines[seen:], start=seen + 1):
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            break
+            _say_torn(path, number)
+            continue
         rows.append(row if isinstance(row, dict) else {})
-    return rows, seen + len(rows)
+    return rows, max(seen, len(lines))
+
+
+_TORN: set[tuple[str, int]] = set()
+
+
+def _say_torn(path: Path, number: int) -> None:
+    if (str(path), number) not in _TORN:
+        _TORN.add((str(path), number))
+        sys.stderr.write(f"note: {path} line {number} is torn (a write cut short); skipped\n")
 
 
 def count_lines(path: Path) -> int:

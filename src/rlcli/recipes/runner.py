@@ -66,10 +66,7 @@ def default_run_dir(kind: str) -> Path:
 
 def metric_values(run_dir: Path, *keys: str) -> dict[str, list[float]]:
     """Each key's numeric values, step by step, from the run's ``metrics.jsonl`` (read once)."""
-    try:
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-    except FileNotFoundError:
-        rows = []
+    rows, _ = read_rows(Path(run_dir) / "metrics.jsonl", 0)  # a torn line is skipped
     return {
         key: [float(r[key]) for r in rows if isinstance(r.get(key), int | float)] for key in keys
     }

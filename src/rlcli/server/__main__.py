@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--session-timeout", type=float, default=300.0)
     parser.add_argument("--max-sample-tokens", type=int, default=16384)
+    parser.add_argument("--max-body-mb", type=_positive_float, default=256.0)
+    parser.add_argument("--max-upload-gb", type=_positive_float, default=16.0)
     args = parser.parse_args(argv)
 
     import uvicorn
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         threads=args.threads,
         session_timeout=args.session_timeout,
         max_sample_tokens=args.max_sample_tokens,
+        max_body_mb=args.max_body_mb,
+        max_upload_gb=args.max_upload_gb,
     )
     app = create_app(settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
@@ -54,6 +58,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 

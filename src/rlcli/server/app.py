@@ -46,7 +46,8 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI):
         loop = asyncio.get_running_loop()
         state.futures.bind(loop)
-        checkpoints.sweep(state.checkpoints_root, grace=0)  # nobody reads yet
+        checkpoints.sweep(state.checkpoints_root, grace=0)  # nobody reads yet; never raises
+        checkpoints.clear_staging(state.checkpoints_root)
         state.engine.on_death = lambda reason: loop.call_soon_threadsafe(_exit_soon, app, loop)
         state.engine.start()
         task = asyncio.create_task(housekeeping(state))
@@ -55,15 +56,16 @@ def create_app(settings: Settings) -> FastAPI:
         state.engine.stop()
 
     app = FastAPI(title="rlcli torch backend", lifespan=lifespan)
+    app.add_middleware(BodyLimit, settings=settings)
     app.state.rlcli = state
     app.state.exit_code = 0
 
     async def check_api_key(request: Request) -> None:
-        key, sent = settings.api_key, request.headers.get("x-api-key")
-        if key and sent is None:
+        if state.authorised(request):
+            return
+        if request.headers.get("x-api-key") is None:
             raise HTTPException(401, "X-API-Key: missing; this server needs an API key")
-        if key and sent != key:
-            raise HTTPException(403, "X-API-Key: wrong API key")
+        raise HTTPException(403, "X-API-Key: wrong API key")
 
     guarded = [Depends(check_api_key)]
     app.include_router(routes_service.public)
@@ -91,6 +93,40 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse({"detail": f"internal error: {type(exc).__name__}: {exc}"}, 500)
 
     return app
+
+
+class BodyLimit:
+    """Every request body has a cap before it is read (the one owner of body sizes): a
+    ``Content-Length`` over it is answered 413 at once, and a body streamed without one is
+    counted as it arrives and refused with a 413 the moment it passes the cap, so no route ever
+    holds more than the cap in memory or on disk. Restore uploads (``routes_rest.UPLOADS``) get
+    ``--max-upload-gb``, everything else ``--max-body-mb``."""
+
+    def __init__(self, app, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        upload = scope["path"].startswith(routes_rest.UPLOADS)
+        cap = self.settings.max_upload_bytes if upload else self.settings.max_body_bytes
+        flag = "--max-upload-gb" if upload else "--max-body-mb"
+        detail = f"body: larger than this server's cap of {cap} bytes ({flag})"
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > cap:
+            return await JSONResponse({"detail": detail}, 413)(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > cap:  # handled as any HTTPException: a 413 answer
+                raise HTTPException(413, detail)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 def _exit_soon(app: FastAPI, loop: asyncio.AbstractEventLoop) -> None:

@@ -15,13 +15,16 @@ PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``, what
 A save writes and fsyncs a new version, then swaps the link with one ``rename`` (atomic), so a
 reader that resolved the name reads one whole version. Superseded and interrupted versions are
 swept once no link points to them and they are older than a grace period (readers of the old
-version finish first); expired checkpoints (``ttl_seconds``) are swept the same way.
+version finish first); expired checkpoints (``ttl_seconds``) are swept the same way, and so are
+deleted ones: ``delete`` takes the name away and leaves the version to the sweep. A version's
+grace runs from the moment it lost its name (``_retire`` stamps it then), not from its save.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -31,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from rlcli.server.errors import UserError
+
+log = logging.getLogger("rlcli.server")
 
 KINDS = ("weights", "sampler_weights", "external_weights")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -45,6 +50,12 @@ SWEEP_GRACE_S = 120.0  # an unreferenced version lives this long (a reader may s
 
 class CheckpointError(UserError):
     """A bad checkpoint name or path; the message says which and why."""
+
+
+class CheckpointExists(CheckpointError):
+    """An exclusive write found the name taken (by a save that committed first)."""
+
+    status = 409
 
 
 @dataclass(frozen=True)
@@ -211,19 +222,43 @@ def write_adapter(
     return _write_version(directory, fill, meta)
 
 
-def write_files(directory: str | Path, sources: dict[str, Path], meta: dict[str, Any]) -> Path:
+def write_files(
+    directory: str | Path, sources: dict[str, Path], meta: dict[str, Any], exclusive: bool = False
+) -> Path:
     """Write a new version of the checkpoint named ``directory`` from files already on disk
-    (``{name in the version: source file}``, e.g. an uploaded state) and point the name at it,
-    as ``write_adapter`` does: a failure at any point leaves the previous version in place."""
+    (``{name in the version: source file}``, e.g. an uploaded state staged in
+    ``staging_dir``) and point the name at it, as ``write_adapter`` does: a failure at any
+    point leaves the previous version in place. The sources are moved (renamed), not copied.
+    ``exclusive``: only if no live checkpoint has the name when the name is set (checked at that
+    moment, not before a long upload); else ``CheckpointExists`` and nothing is written."""
 
     def fill(version: Path) -> None:
         for name, source in sources.items():
-            shutil.copyfile(source, version / name)
+            os.replace(source, version / name)
 
-    return _write_version(directory, fill, meta)
+    return _write_version(directory, fill, meta, exclusive)
 
 
-def _write_version(directory: str | Path, fill, meta: dict[str, Any]) -> Path:
+STAGING = ".staging"  # uploads being received and checked, on the checkpoints' own disk
+
+
+def staging_dir(root: Path) -> Path:
+    """Where uploads are staged: under the checkpoints root (same disk, so a checked upload is
+    renamed into a version, never copied; not the system temp dir, often RAM). Nothing there
+    is a run: listings read ``<root>/<run_id>/run.json`` only."""
+    folder = Path(root) / STAGING
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def clear_staging(root: Path) -> None:
+    """At start-up: uploads a killed server left half-received."""
+    shutil.rmtree(Path(root) / STAGING, ignore_errors=True)
+
+
+def _write_version(
+    directory: str | Path, fill, meta: dict[str, Any], exclusive: bool = False
+) -> Path:
     """The one way a checkpoint is written (invariant 3): ``fill(version)`` writes the files
     into a new hidden version folder, ``checkpoint.json`` is added, everything is fsynced, and
     the name ``directory`` is re-pointed at the version in one rename. A failure at any point
@@ -240,23 +275,40 @@ def _write_version(directory: str | Path, fill, meta: dict[str, Any]) -> Path:
         for path in version.iterdir():
             _fsync(path)
         _fsync(version)
-        _point(link, version)
+        _point(link, version, exclusive)
     except BaseException:
         shutil.rmtree(version, ignore_errors=True)
         raise
-    sweep_versions(parent)
+    try:  # the save is done once the name points at it: a failing sweep must not undo that
+        sweep_versions(parent)
+    except OSError as e:
+        _report(parent, e)
     return version
 
 
-def _point(link: Path, version: Path) -> None:
+def _point(link: Path, version: Path, exclusive: bool = False) -> None:
     """Make ``link`` name ``version`` in one rename (a real folder from an older layout is
-    first moved aside as a version, so it is swept like one)."""
+    first moved aside as a version, so it is swept like one). ``exclusive``: a free name is
+    taken with one ``symlink`` (which fails if another writer took it first); a live one is
+    ``CheckpointExists``."""
+    if exclusive:
+        try:
+            os.symlink(version.name, link)
+            _fsync(link.parent)
+            return
+        except FileExistsError:
+            if resolve(link) is not None:
+                ref = f"{link.parent.parent.name}/{link.parent.name}/{link.name}"
+                raise CheckpointExists(f"path: tinker://{ref} exists here") from None
     if link.is_dir() and not link.is_symlink():
         link.rename(link.parent / f"{VERSION_PREFIX}{link.name}-legacy-{time.time_ns()}")
+    previous = Path(os.path.realpath(link)) if link.is_symlink() else None
     tmp_link = link.parent / f".link-{link.name}-{time.time_ns()}"
     os.symlink(version.name, tmp_link)
     os.replace(tmp_link, link)
     _fsync(link.parent)
+    if previous is not None:
+        _retire(previous)
 
 
 def update_meta(version: Path, **changes: Any) -> dict[str, Any]:
@@ -267,24 +319,45 @@ def update_meta(version: Path, **changes: Any) -> dict[str, Any]:
     return meta
 
 
+def edit_meta(folder: Path, **changes: Any) -> dict[str, Any] | None:
+    """Change the metadata of the checkpoint named ``folder`` (publish, TTL), re-checked at
+    commit: if a save re-pointed the name meanwhile, the new version is edited too, so an
+    edit is never left on a superseded version only. None if the name resolves to nothing."""
+    while (version := resolve(folder)) is not None:
+        meta = update_meta(version, **changes)
+        if resolve(folder) == version:
+            return meta
+    return None
+
+
 def delete(folder: Path) -> bool:
-    """Remove a checkpoint: the name goes first (atomic), then its version. False if absent."""
-    version = resolve(folder)
-    if version is None:
+    """Remove a checkpoint: its name goes at once (atomic), so nothing new finds it; its version
+    stays for the grace period, so a reader that resolved it before (an archive download, a
+    ``load_weights``, a sampler load) finishes, then the sweep removes it. False if absent."""
+    if resolve(folder) is None:
         return False
     _unname(folder)
-    shutil.rmtree(version, ignore_errors=True)
     return True
 
 
 def _unname(folder: Path) -> None:
     """Take a checkpoint's name away atomically; its version is left for the sweep."""
+    version = Path(os.path.realpath(folder)) if folder.is_symlink() else None
     with contextlib.suppress(FileNotFoundError):
         if folder.is_symlink():
             folder.unlink()
         else:  # a real folder from an older layout
-            folder.rename(folder.parent / f"{VERSION_PREFIX}{folder.name}-gone-{time.time_ns()}")
+            version = folder.parent / f"{VERSION_PREFIX}{folder.name}-gone-{time.time_ns()}"
+            folder.rename(version)
     _fsync(folder.parent)
+    if version is not None:
+        _retire(version)
+
+
+def _retire(version: Path) -> None:
+    """A version just lost its name: its grace period starts now (the sweep reads mtime)."""
+    with contextlib.suppress(OSError):
+        os.utime(version)
 
 
 def sweep_versions(kind_dir: Path, grace: float = SWEEP_GRACE_S) -> None:
@@ -294,10 +367,13 @@ def sweep_versions(kind_dir: Path, grace: float = SWEEP_GRACE_S) -> None:
     now = time.time()
     for entry in list(kind_dir.iterdir()):
         if entry.name.startswith(".link-"):
-            if now - _mtime(entry) > grace:
+            if now - _mtime(entry) > grace and entry.is_symlink():
                 entry.unlink(missing_ok=True)
         elif not entry.name.startswith(".") and entry.is_symlink():
-            target = os.readlink(entry)
+            try:
+                target = os.readlink(entry)
+            except FileNotFoundError:  # removed since the listing (a delete, a re-save)
+                continue
             if (kind_dir / target).is_dir():
                 live.add(target)
             else:
@@ -314,15 +390,29 @@ def sweep(root: Path, grace: float = SWEEP_GRACE_S) -> int:
     expired = 0
     now = time.time()
     for kind_dir in [d for kind in KINDS for d in Path(root).glob(f"*/{kind}")]:
-        for entry in list(kind_dir.iterdir()):
-            if entry.name.startswith("."):
-                continue
-            meta = read_meta(Path(os.path.realpath(entry)))
-            if meta is not None and _expired(meta, now):
-                _unname(entry)
-                expired += 1
-        sweep_versions(kind_dir, grace)
+        try:  # one bad folder (a stray file, no permission) does not stop the others
+            for entry in list(kind_dir.iterdir()):
+                if entry.name.startswith("."):
+                    continue
+                meta = read_meta(Path(os.path.realpath(entry)))
+                if meta is not None and _expired(meta, now):
+                    _unname(entry)
+                    expired += 1
+            sweep_versions(kind_dir, grace)
+        except OSError as e:
+            _report(kind_dir, e)
     return expired
+
+
+_reported: set[tuple[str, str]] = set()
+
+
+def _report(folder: Path, error: OSError) -> None:
+    """Log a sweep's failure in ``folder`` once (it would recur at every sweep)."""
+    key = (str(folder), type(error).__name__)
+    if key not in _reported:
+        _reported.add(key)
+        log.warning("checkpoint sweep skipped %s: %s (logged once)", folder, error)
 
 
 def _mtime(path: Path) -> float:

@@ -37,9 +37,12 @@ LORA_ALPHA = 32  # fixed, as on Tinker: the learning rate does not have to move 
 # and its 256-token answer in one pass); a GPU needs big ones.
 MICROBATCH_TOKENS = {"cuda": 4096, "cpu": 512}
 MAX_LOADED_SAMPLERS = 8  # sampler snapshots kept as live peft adapters (LRU)
-# In-memory sampler snapshots kept for reloading (oldest dropped). RL makes one per step and
-# samples from it for that step only; a LoRA of a 4B model is ~250 MB in float32.
+# In-memory sampler snapshots kept for reloading. RL makes one per step and samples from it
+# for that step (async RL: a step or two back); a LoRA of a 4B model is ~250 MB in float32.
+# Each training client's newest SNAPSHOTS_PER_CLIENT, and any it sampled since its last save,
+# are kept (samplers.py); the others share an LRU of MAX_SNAPSHOTS.
 MAX_SNAPSHOTS = 16
+SNAPSHOTS_PER_CLIENT = 2
 SAMPLE_ROWS_PER_BATCH = 64  # rows (prompt x sample) decoded together
 
 
@@ -180,7 +183,11 @@ class Engine:
         self.eos_ids = sorted({int(e) for e in eos if e is not None})
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
         self.samplers = SamplerCache(
-            self._add_sampler_adapter, self._delete_adapter, MAX_SNAPSHOTS, MAX_LOADED_SAMPLERS
+            self._add_sampler_adapter,
+            self._delete_adapter,
+            MAX_SNAPSHOTS,
+            MAX_LOADED_SAMPLERS,
+            SNAPSHOTS_PER_CLIENT,
         )
 
     def _enable_checkpointing(self) -> list[torch.nn.Module]:
@@ -294,6 +301,7 @@ class Engine:
         if self.adapters.pop(name, None) is None:
             raise UserError(f"unknown model_id {name!r}")
         self._delete_adapter(name)
+        self.samplers.drop_owner(name)
         return {"model_id": name}
 
     def _delete_adapter(self, name: str) -> None:
@@ -562,7 +570,7 @@ class Engine:
             version = str(
                 checkpoints.write_adapter(directory, state, config, self.base_model, meta=meta)
             )
-        self.samplers.put(key, config, state, version)
+        self.samplers.put(key, config, state, version, owner=model_id)
         return {"path": meta.get("tinker_path"), "key": key}
 
     def _sampler_module(self, key: str | None) -> torch.nn.Module:

@@ -10,11 +10,12 @@ This module imports no torch: the HTTP process never loads it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response
 
-from rlcli.server import wire
+from rlcli.server import checkpoints, wire
 
 if TYPE_CHECKING:
     from rlcli.server.engine import Engine
@@ -39,11 +40,20 @@ class CreateAdapter(Op):
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True
+    run_record: dict[str, Any] | None = None  # the run's run.json, written once it exists
+    checkpoints_root: str = ""
 
     def run(self, engine: Engine) -> Any:
-        return engine.create_adapter(
+        out = engine.create_adapter(
             self.name, self.rank, self.seed, self.train_mlp, self.train_attn, self.train_unembed
         )
+        if self.run_record is not None:  # after the adapter: a failure leaves no orphan run
+            try:
+                checkpoints.write_run(Path(self.checkpoints_root), self.name, self.run_record)
+            except BaseException:
+                engine.remove_adapter(self.name)
+                raise
+        return out
 
     @staticmethod
     def answer(value: Any, accept_proto: bool) -> Any:

@@ -17,7 +17,6 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse
-from starlette.background import BackgroundTask
 
 from rlcli.server import checkpoints, generations, ops
 from rlcli.server.checkpoints import CheckpointRef
@@ -29,8 +28,7 @@ router = APIRouter(prefix="/api/v1")
 public = APIRouter()  # the archive link: the CLI fetches it with plain urllib and no key
 
 ARCHIVE_TTL_S = 15 * 60
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT adapter
-ARCHIVE_FILES = (*ADAPTER_FILES, "checkpoint.json")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # an external checkpoint's
 WITH_OPTIMIZER = "o-"  # archive tokens that include optimizer.pt and run.json start so;
 PLAIN = "a-"  # the others start so (a bare random token could begin with "o-");
 EXTERNAL = "x-"  # tokens of an external weights checkpoint's files (tinker>=0.38) start so
@@ -182,21 +180,25 @@ async def delete_checkpoint(run_id: str, kind: str, name: str, state: State):
 async def publish_checkpoint(run_id: str, kind: str, name: str, state: State):
     # Idempotent: publishing a public checkpoint is a success, not a 409 (which tinker 0.25
     # retries for minutes).
-    _, version = _find_checkpoint(state, run_id, kind, name)
-    checkpoints.update_meta(version, public=True)
+    _edit(state, run_id, kind, name, public=True)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", status_code=204)
 async def unpublish_checkpoint(run_id: str, kind: str, name: str, state: State):
-    _, version = _find_checkpoint(state, run_id, kind, name)
-    checkpoints.update_meta(version, public=False)
+    _edit(state, run_id, kind, name, public=False)
 
 
 @router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", status_code=204)
 async def set_checkpoint_ttl(run_id: str, kind: str, name: str, body: SetTtl, state: State):
-    _, version = _find_checkpoint(state, run_id, kind, name)
     expires = time.time() + body.ttl_seconds if body.ttl_seconds else None
-    checkpoints.update_meta(version, expires_at=expires)
+    _edit(state, run_id, kind, name, expires_at=expires)
+
+
+def _edit(state: ServerState, run_id: str, kind: str, name: str, **changes: Any) -> None:
+    """Publish / TTL: applied to the version the name points to when the edit commits."""
+    folder, _ = _find_checkpoint(state, run_id, kind, name)
+    if checkpoints.edit_meta(folder, **changes) is None:
+        raise HTTPException(404, f"path: the checkpoint {kind}/{name} was deleted meanwhile")
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
@@ -280,33 +282,18 @@ async def download_archive(token: str, state: State):
             "optimizer.pt": version / "optimizer.pt",
             "run.json": folder.parent.parent / "run.json",
         }
-    tar_path = await asyncio.to_thread(_build_tar, version, extra)
-    return FileResponse(
-        tar_path,
-        media_type="application/x-tar",
-        filename=f"{folder.parent.parent.name}_{folder.parent.name}_{folder.name}.tar",
-        background=BackgroundTask(Path(tar_path).unlink, missing_ok=True),
-    )
-
-
-def _build_tar(version: Path, extra: dict[str, Path] | None = None) -> str:
-    fd, tar_path = tempfile.mkstemp(suffix=".tar")
-    with open(fd, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
-        for name in ARCHIVE_FILES:
-            tar.add(version / name, arcname=name)
-        for name, path in (extra or {}).items():
-            tar.add(path, arcname=name)
-        tar.addfile(tarfile.TarInfo("checkpoint_complete"))  # `tinker ... push-hf` wants it
-    return tar_path
+    key, tar_path = await state.tars.acquire(version, extra)  # shared by concurrent downloads
+    name = f"{folder.parent.parent.name}_{folder.parent.name}_{folder.name}.tar"
+    return state.tars.response(key, tar_path, name)
 
 
 # ---- rlcli restore: a training state exported elsewhere, put back under its tinker:// path ----
 
 RESTORE_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "run.json")
 RESTORE_IGNORED = ("checkpoint.json", "checkpoint_complete")  # the old server's, remade here
-# A LoRA state (adapter + AdamW moments) of a 70B model at rank 64 is a few GB; a body beyond
-# this is refused as it streams in, before it can fill the disk.
-MAX_RESTORE_BYTES = 16 << 30
+# Uploads: their bodies are capped by --max-upload-gb (app.BodyLimit), all others by
+# --max-body-mb. A LoRA state (adapter + AdamW moments) of a 70B model at rank 64 is a few GB.
+UPLOADS = "/api/v1/rlcli/restore/"
 
 
 @router.put("/rlcli/restore/{run_id}/{kind}/{name}")
@@ -335,18 +322,15 @@ async def restore_checkpoint(
         raise HTTPException(
             409, f"path: {ref.tinker_path} exists here (overwrite=true replaces it)"
         )
-    with tempfile.TemporaryDirectory(prefix="rlcli-restore-") as tmp:
+    # Staged on the checkpoints' own disk (the system temp dir is often RAM), then renamed in.
+    staging = checkpoints.staging_dir(state.checkpoints_root)
+    with tempfile.TemporaryDirectory(prefix="restore-", dir=staging) as tmp:
         upload = Path(tmp) / "upload.tar"
-        received = 0
         with open(upload, "wb") as out:
-            async for chunk in request.stream():
-                received += len(chunk)
-                if received > MAX_RESTORE_BYTES:
-                    raise HTTPException(
-                        413, f"body: larger than {MAX_RESTORE_BYTES >> 30} GiB; not a LoRA state"
-                    )
+            async for chunk in request.stream():  # at most --max-upload-gb (app.BodyLimit)
                 out.write(chunk)
-        files = await asyncio.to_thread(_unpack_state, upload, Path(tmp) / "files")
+        cap = state.settings.max_upload_bytes
+        files = await asyncio.to_thread(_unpack_state, upload, Path(tmp) / "files", cap)
         run = json.loads(files["run.json"].read_text())
         base_model = state.settings.base_model
         if run.get("base_model") != base_model and not force:
@@ -385,15 +369,30 @@ async def restore_checkpoint(
             }
             checkpoints.write_run(state.checkpoints_root, run_id, record)
         sources = {n: files[n] for n in RESTORE_FILES if n != "run.json"}
-        version = await asyncio.to_thread(checkpoints.write_files, folder, sources, meta)
+        # Checked again as the name is set: another restore or a save may have taken it
+        # during the upload (409, nothing written).
+        try:
+            version = await asyncio.to_thread(
+                checkpoints.write_files, folder, sources, meta, not overwrite
+            )
+        except BaseException:
+            root = state.checkpoints_root
+            if here is None and not checkpoints.list_checkpoints(root, run_id):
+                (root / run_id / "run.json").unlink(missing_ok=True)  # no orphan run left
+            raise
     return {"tinker_path": ref.tinker_path, "size_bytes": checkpoints.folder_size(version)}
 
 
-def _unpack_state(tar_path: Path, out: Path) -> dict[str, Path]:
-    """The tar's files, checked: regular files with the expected names, each once, whole
-    (sizes as declared), JSON that parses, a safetensors header that fits the file; else 400."""
+def _unpack_state(tar_path: Path, out: Path, cap: int) -> dict[str, Path]:
+    """The tar's files, checked: plain regular files with the expected names, each once, whole
+    (sizes as declared), JSON that parses, a safetensors header that fits the file; else 400.
+
+    Only plain members: a sparse one (GNU or PAX) is written out with its holes filled, so a
+    few KB of upload could become gigabytes. The bytes actually written are counted against
+    ``cap`` as they are written, whatever the headers claim."""
     out.mkdir()
     files: dict[str, Path] = {}
+    written = 0
     try:
         with tarfile.open(tar_path, mode="r:") as tar:
             for member in tar:
@@ -404,12 +403,19 @@ def _unpack_state(tar_path: Path, out: Path) -> dict[str, Path]:
                         400, f"body: unexpected archive member {member.name!r} (a state has "
                         f"{', '.join(RESTORE_FILES)})"
                     )  # fmt: skip
+                if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE) or member.sparse:
+                    raise HTTPException(
+                        400, f"body: {member.name!r} is not a plain file (sparse or special)"
+                    )
                 if member.name in files:
                     raise HTTPException(400, f"body: {member.name!r} appears twice")
                 source = tar.extractfile(member)
                 target = out / member.name
                 with source, open(target, "wb") as f:
                     while chunk := source.read(1 << 20):
+                        written += len(chunk)
+                        if written > cap:
+                            raise HTTPException(413, f"body: unpacks to more than {cap} bytes")
                         f.write(chunk)
                 if target.stat().st_size != member.size:
                     raise HTTPException(400, f"body: {member.name!r} is cut short")

@@ -29,14 +29,20 @@ async def healthz(state: State):
 
 
 @public.get("/rlcli/status")
-async def status(state: State):
-    """What ``rlcli serve status`` shows: one JSON document, no side effects."""
-    return {
+async def status(request: Request, state: State):
+    """What ``rlcli serve status`` shows: one JSON document, no side effects. Model paths,
+    counts and versions only to a client with the API key; others learn it is up."""
+    brief = {
         "healthy": state.engine.healthy,
-        "error": state.engine.error,
-        "base_model": state.settings.base_model,
         "backend": "torch",
         "uptime_s": round(time.time() - state.started, 1),
+    }
+    if not state.authorised(request):
+        return brief
+    return {
+        **brief,
+        "error": state.engine.error,
+        "base_model": state.settings.base_model,
         "engine": state.engine.info,
         "sessions": len(state.sessions),
         "models": len(state.models),

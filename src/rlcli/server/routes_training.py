@@ -7,14 +7,12 @@ import uuid
 
 from fastapi import APIRouter, HTTPException, Request
 
-from rlcli.server import checkpoints, ops, wire
+from rlcli.server import ops, wire
 from rlcli.server.schemas import CreateModel, LoraConfig, ModelRef, OptimizerConfig, OptimStep
 from rlcli.server.state import ModelRecord, ServerState, State
 from rlcli.server.validate import validate_forward_backward
 
 router = APIRouter(prefix="/api/v1")
-
-MAX_BODY_BYTES = 1 << 30  # a forward_backward body larger than this is refused (413)
 
 
 @router.post("/create_model")
@@ -60,22 +58,25 @@ def new_training_client(
         model_id, session_id, state.settings.base_model, lora.model_dump(),
         dict(user_metadata or {}),
     )  # fmt: skip
-    checkpoints.write_run(
-        state.checkpoints_root,
-        model_id,
-        {
-            "training_run_id": model_id,
-            "base_model": record.base_model,
-            "lora": record.lora,
-            "session_id": session_id,
-            "user_metadata": record.user_metadata,
-            "created": record.created,
-        },
-    )
+    run = {
+        "training_run_id": model_id,
+        "base_model": record.base_model,
+        "lora": record.lora,
+        "session_id": session_id,
+        "user_metadata": record.user_metadata,
+        "created": record.created,
+    }
     future = state.submit(
         ops.CreateAdapter(
-            model_id, lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed
-        ),
+            model_id,
+            lora.rank,
+            lora.seed,
+            lora.train_mlp,
+            lora.train_attn,
+            lora.train_unembed,
+            run_record=run,
+            checkpoints_root=str(state.checkpoints_root),
+        ),  # run.json is written by the engine once the adapter exists
         model_id,
     )
     state.models[model_id] = record
@@ -118,7 +119,9 @@ async def forward_backward(request: Request, state: State):
             415, f"forward_backward takes a {wire.PROTO_CONTENT_TYPE} body (tinker>=0.25)"
         )
     body = await request.body()
-    body = wire.decompress(body, request.headers.get("content-encoding", ""), MAX_BODY_BYTES)
+    body = wire.decompress(
+        body, request.headers.get("content-encoding", ""), state.settings.max_body_bytes
+    )
     req = wire.decode_forward_backward(body)
     record = state.model(req.model_id)
     validate_forward_backward(req, info["vocab_size"], info["max_context"])

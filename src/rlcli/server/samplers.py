@@ -7,6 +7,14 @@ version folder they came from; at most ``max_live`` of them are also loaded as p
 for sampling. ``put`` replaces a key's weights and drops its live adapter, and a key read from
 disk is checked against the version its name points to now (re-saved or deleted elsewhere),
 so no stale adapter is ever served.
+
+A snapshot in use is never evicted: the bound is per training client, not shared. Each
+client's newest ``per_client`` snapshots (its last steps: an RL loop samples from the step it
+just saved, an async one from a few steps back) and any snapshot sampled since its client's
+last save are kept whatever other clients do; only the rest (older steps, checkpoints read
+from disk, snapshots of removed clients) share the LRU of ``max_snapshots``. Before, 17
+clients saving at once pushed the first one's new snapshot out before it was used ("sampler
+expired").
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ class Snapshot:
     config: Any  # peft LoraConfig
     state: dict  # CPU tensors
     version: str | None  # the version folder it was read from or written to; None: ephemeral
+    owner: str | None = None  # the training client that saved it (None: read from disk)
+    step: int = 0  # its owner's save count when it was saved
+    used_at: int = -1  # its owner's save count when it was last sampled from
 
 
 class SamplerCache:
@@ -39,25 +50,51 @@ class SamplerCache:
         delete_adapter: Callable[[str], None],
         max_snapshots: int = 16,
         max_live: int = 8,
+        per_client: int = 2,
     ) -> None:
         self._add = add_adapter
         self._delete = delete_adapter
         self.max_snapshots = max_snapshots
         self.max_live = max_live
+        self.per_client = per_client
         self.snapshots: OrderedDict[str, Snapshot] = OrderedDict()
         self.live: OrderedDict[str, str] = OrderedDict()  # key -> peft adapter name
+        self.saves: dict[str, int] = {}  # training client -> how many snapshots it saved
 
-    def put(self, key: str, config: Any, state: dict, version: str | None) -> None:
-        """Store (or replace) the weights behind ``key``."""
+    def put(
+        self, key: str, config: Any, state: dict, version: str | None, owner: str | None = None
+    ) -> None:
+        """Store (or replace) the weights behind ``key``, saved by training client ``owner``."""
         self._unload(key)
         self.snapshots.pop(key, None)
-        self.snapshots[key] = Snapshot(config, state, version)
-        while len(self.snapshots) > self.max_snapshots:
-            self.forget(next(iter(self.snapshots)))
+        step = 0
+        if owner is not None:
+            step = self.saves[owner] = self.saves.get(owner, 0) + 1
+        self.snapshots[key] = Snapshot(config, state, version, owner, step)
+        self._evict()
+
+    def _kept(self, snap: Snapshot) -> bool:
+        """In use: one of its client's newest ``per_client``, or sampled since its last save."""
+        if snap.owner is None or snap.owner not in self.saves:
+            return False
+        last = self.saves[snap.owner]
+        return snap.step > last - self.per_client or snap.used_at == last
+
+    def _evict(self) -> None:
+        """Beyond ``max_snapshots``, drop the least recently used snapshots not in use."""
+        spare = [k for k, snap in self.snapshots.items() if not self._kept(snap)]  # LRU first
+        for key in spare[: max(0, len(self.snapshots) - self.max_snapshots)]:
+            self.forget(key)
 
     def forget(self, key: str) -> None:
         self._unload(key)
         self.snapshots.pop(key, None)
+
+    def drop_owner(self, owner: str) -> None:
+        """Its training client is gone: its snapshots stay (sampling clients outlive training
+        clients) but are no longer kept in use; the LRU bound applies to them again."""
+        self.saves.pop(owner, None)
+        self._evict()
 
     def activate(self, key: str) -> str:
         """The peft adapter name that samples from ``key``, loading it if needed."""
@@ -77,6 +114,8 @@ class SamplerCache:
             self.put(key, config, state, current)
             snap = self.snapshots[key]
         self.snapshots.move_to_end(key)
+        if snap.owner is not None:
+            snap.used_at = self.saves.get(snap.owner, -1)
         if key in self.live:
             self.live.move_to_end(key)
             return self.live[key]

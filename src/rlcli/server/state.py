@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import logging
 import time
 from collections import OrderedDict
@@ -20,6 +21,7 @@ from fastapi import Depends, HTTPException, Request
 
 from rlcli.home import rlcli_home
 from rlcli.server import checkpoints, generations, ops
+from rlcli.server.archives import Archives
 from rlcli.server.engine_process import EngineClient, EngineUnavailable
 from rlcli.server.futures import FutureStore
 
@@ -42,6 +44,16 @@ class Settings:
     threads: int | None = None
     session_timeout: float = 300.0  # no heartbeat for this long: the session's adapters go
     max_sample_tokens: int = 16384  # the most tokens one sample request may ask for
+    max_body_mb: float = 256.0  # any request body (after zstd), except restore uploads
+    max_upload_gb: float = 16.0  # a restore upload (a LoRA state: adapter + AdamW moments)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * (1 << 20))
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_gb * (1 << 30))
 
     def engine_settings(self) -> dict[str, Any]:
         return {
@@ -107,6 +119,13 @@ class ServerState:
         self.archives: dict[str, tuple[Path, float]] = {}  # download token -> (name, expiry)
         self.checkpoints_root = Path(settings.checkpoints_dir or rlcli_home() / "checkpoints")
         self.checkpoints_root.mkdir(parents=True, exist_ok=True)
+        self.tars = Archives(self.checkpoints_root / checkpoints.STAGING / "archives")
+
+    def authorised(self, request: Request) -> bool:
+        """The request carries this server's API key (any key when it has none), compared in
+        constant time."""
+        key, sent = self.settings.api_key, request.headers.get("x-api-key")
+        return not key or (sent is not None and hmac.compare_digest(sent.encode(), key.encode()))
 
     def submit(self, op: ops.Op, model_id: str | None = None) -> dict[str, Any]:
         """Queue ``op`` on the engine; the future the client polls (503 if the engine is gone)."""
@@ -239,17 +258,37 @@ def engine_gone(reason: str) -> HTTPException:
     return HTTPException(503, f"engine unavailable: {reason}", headers={"x-should-retry": "false"})
 
 
-async def housekeeping(state: ServerState, every_s: float | None = None) -> None:
-    """Expire silent sessions, and sweep expired or superseded checkpoints, forever."""
+async def housekeeping(
+    state: ServerState, every_s: float | None = None, sweep_every_s: float = 30.0
+) -> None:
+    """Expire silent sessions, and sweep expired or superseded checkpoints, forever.
+
+    Invariant: housekeeping cannot die. Each chore is guarded: an exception is logged (once
+    per distinct error) and the loop goes on, so sessions keep expiring and TTLs keep being
+    applied for the server's life."""
     timeout = state.settings.session_timeout
     period = every_s or max(0.5, min(15.0, timeout / 4))
     last_sweep = 0.0
+    reported: set[str] = set()
+
+    def report(chore: str, error: Exception) -> None:
+        what = f"{chore}: {type(error).__name__}: {error}"
+        if what not in reported:
+            reported.add(what)
+            log.error("housekeeping: %s (logged once; housekeeping goes on)", what, exc_info=error)
+
     while True:
         await asyncio.sleep(period)
-        state.expire_sessions()
-        if time.monotonic() - last_sweep > 30:
+        try:
+            state.expire_sessions()
+        except Exception as e:
+            report("session expiry", e)
+        if time.monotonic() - last_sweep > sweep_every_s:
             last_sweep = time.monotonic()
-            await asyncio.to_thread(checkpoints.sweep, state.checkpoints_root)
+            try:
+                await asyncio.to_thread(checkpoints.sweep, state.checkpoints_root)
+            except Exception as e:
+                report("checkpoint sweep", e)
 
 
 def server_state(request: Request) -> ServerState:
