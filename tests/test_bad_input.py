@@ -103,7 +103,9 @@ def test_bad_forward_backward_answers_4xx_naming_the_field(server, trainer, make
 
 
 def test_unknown_model_id_answers_404(server, service, trainer):
-    ghost = tinker.TrainingClient(service.holder, model_seq_id=999, model_id="no-such-model")
+    ghost = tinker.TrainingClient(
+        service.holder, model_seq_id=999, model_id="no-such-model", info=trainer.get_info()
+    )
     with pytest.raises(tinker.NotFoundError, match="model_id: unknown model 'no-such-model'"):
         ghost.forward_backward([_datum()], "cross_entropy").result()
     with pytest.raises(tinker.NotFoundError, match="no-such-model"):

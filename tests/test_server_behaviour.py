@@ -69,7 +69,8 @@ def test_a_vanished_clients_adapters_are_freed(tmp_path, tiny_model):
             status = httpx.get(f"{record.base_url}/rlcli/status").json()
         assert status["models"] == 0 and status["sessions"] == 0
         service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
-        ghost = tinker.TrainingClient(service.holder, model_seq_id=0, model_id=model_id)
+        info = tinker.types.GetInfoResponse(model_data=tinker.types.ModelData(), model_id=model_id)
+        ghost = tinker.TrainingClient(service.holder, model_seq_id=0, model_id=model_id, info=info)
         with pytest.raises(tinker.NotFoundError):
             ghost.forward(
                 [
