@@ -105,7 +105,9 @@ def nothing_left_behind():
 def saved(server, tiny_model):
     """One training client with a step taken, saved as a state and as sampler weights."""
     service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-dummy")
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=0)
+    trainer = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=0
+    ).result()
     trainer.forward_backward([datum()], "cross_entropy").result()
     trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     return {
@@ -267,7 +269,7 @@ def test_every_body_is_capped_before_it_is_read(guarded, tiny_model):
     assert httpx.get(f"{url}/api/v1/training_runs/r", headers=key).status_code == 404
     # Bodies under the caps still work: a whole training step through the SDK.
     service = tinker.ServiceClient(base_url=url, api_key=SECRET)
-    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4)
+    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
     trainer.forward_backward([datum()], "cross_entropy").result()
     trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     assert_server_sound(url, trainer)
@@ -459,7 +461,7 @@ def test_a_failing_sweep_after_a_save_does_not_fail_the_save(server, saved):
     try:
         path = saved["trainer"].save_weights_for_sampler("after-fault").result().path
         service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-dummy")
-        sampler = service.create_sampling_client(model_path=path)
+        sampler = service.create_sampling_client(model_path=path).result()
         out = sampler.sample(
             types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=2)
         ).result()
@@ -614,12 +616,14 @@ def test_twenty_rl_clients_sample_from_their_own_steps(server, tiny_model):
     barrier = threading.Barrier(n)
 
     def rl_client(i: int) -> int:
-        trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=i)
+        trainer = service.create_lora_training_client(
+            base_model=str(tiny_model), rank=4, seed=i
+        ).result()
         samplers = []
         for _ in range(2):
             trainer.forward_backward([datum()], "cross_entropy").result()
             trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-            samplers.append(trainer.save_weights_and_get_sampling_client())
+            samplers.append(trainer.save_weights_and_get_sampling_client().result())
             barrier.wait(timeout=300)  # every client has saved before anyone samples
             samplers[-1].sample(prompt, 1, params).result()
         samplers[0].sample(prompt, 1, params).result()  # an older step (async RL)

@@ -203,7 +203,7 @@ class ServerState:
         if record.finished:
             return
         record.finished = reason
-        self._drop_session_clients(session_id)
+        self._drop_session_clients(session_id, finished=True)
         log.info("session %s finished: %s", session_id, reason)
 
     def add_sampling_session(self, session_id: str, ref: SamplerRef) -> None:
@@ -235,16 +235,19 @@ class ServerState:
                 continue
             del self.sessions[session.session_id]
             if not session.finished:
-                self._drop_session_clients(session.session_id)
+                self._drop_session_clients(session.session_id, finished=False)
                 log.info("session %s expired: no heartbeat", session.session_id)
 
-    def _drop_session_clients(self, session_id: str) -> None:
+    def _drop_session_clients(self, session_id: str, finished: bool) -> None:
+        """Free the session's adapters and sampling sessions; a finished session's training
+        clients answer 410 afterwards, an expired one's 404 (as before 0.38)."""
         for record in list(self.models.values()):
             if record.session_id == session_id:
                 del self.models[record.model_id]
-                self.finished_models[record.model_id] = session_id
-                while len(self.finished_models) > MAX_SAMPLING_SESSIONS:
-                    self.finished_models.popitem(last=False)
+                if finished:
+                    self.finished_models[record.model_id] = session_id
+                    while len(self.finished_models) > MAX_SAMPLING_SESSIONS:
+                        self.finished_models.popitem(last=False)
                 if self.engine.healthy:
                     self.engine.submit(ops.RemoveAdapter(record.model_id))
                 log.info("Auto-unloaded model %s; Deleted model", record.model_id)
