@@ -288,3 +288,22 @@ def test_spans_that_do_not_tile_their_datum_are_refused(server, service, tiny_mo
     assert answer.status_code == 422, answer.text  # as every other bad payload
     assert "data[0].model_input_spans: the runs cover 11 positions" in answer.text
     assert httpx.get(f"{server.base_url}/api/v1/healthz").status_code == 200
+
+
+def test_a_025_client_never_lists_an_external_checkpoint(server, service, tiny_model):
+    """0.25's strict models reject the checkpoint type ``external``: its listings leave those
+    out (told apart by the SDK version header every generation sends); 0.38 sees them."""
+    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    trainer.save_state("kept").result()
+    external = trainer.save_weights_external("export").result().path
+    assert external.endswith("/external_weights/export")
+    route = f"{server.base_url}/api/v1/training_runs/{trainer.model_id}/checkpoints"
+    types_seen = {}
+    for version in ("0.25.0", "0.38.0"):
+        headers = {**HEADERS, "X-Stainless-Package-Version": version}
+        listed = httpx.get(route, headers=headers).json()["checkpoints"]
+        types_seen[version] = sorted(c["checkpoint_type"] for c in listed)
+        everything = httpx.get(f"{server.base_url}/api/v1/checkpoints", headers=headers).json()
+        if version == "0.25.0":
+            assert "external" not in {c["checkpoint_type"] for c in everything["checkpoints"]}
+    assert types_seen == {"0.25.0": ["training"], "0.38.0": ["external", "training"]}
