@@ -648,6 +648,10 @@ def test_snapshots_stay_bounded_per_client():
         cache.put(f"ephemeral:c{c}", None, {}, None, owner=f"c{c}")
     assert all(f"ephemeral:c{c}" in cache.snapshots for c in range(20))
     assert {"ephemeral:a29", "ephemeral:a28"} <= set(cache.snapshots)
+    # A checkpoint read from disk to be sampled now stays, though every other snapshot is in
+    # use (before: evicted as it was stored, a KeyError for the request that loaded it).
+    cache.put("/ckpt/sampler_weights/final", None, {}, "/ckpt/.v-final-1")
+    assert "/ckpt/sampler_weights/final" in cache.snapshots
     cache.drop_owner("a")  # its client is gone: its snapshots are spare again
     assert "ephemeral:a29" not in cache.snapshots
 

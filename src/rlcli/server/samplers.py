@@ -71,7 +71,7 @@ class SamplerCache:
         if owner is not None:
             step = self.saves[owner] = self.saves.get(owner, 0) + 1
         self.snapshots[key] = Snapshot(config, state, version, owner, step)
-        self._evict()
+        self._evict(keep=key)  # the snapshot just stored is about to be used
 
     def _kept(self, snap: Snapshot) -> bool:
         """In use: one of its client's newest ``per_client``, or sampled since its last save."""
@@ -80,9 +80,12 @@ class SamplerCache:
         last = self.saves[snap.owner]
         return snap.step > last - self.per_client or snap.used_at == last
 
-    def _evict(self) -> None:
-        """Beyond ``max_snapshots``, drop the least recently used snapshots not in use."""
-        spare = [k for k, snap in self.snapshots.items() if not self._kept(snap)]  # LRU first
+    def _evict(self, keep: str | None = None) -> None:
+        """Beyond ``max_snapshots``, drop the least recently used snapshots not in use (nor
+        ``keep``: a checkpoint read from disk to be sampled now, however many are in use)."""
+        spare = [
+            k for k, snap in self.snapshots.items() if k != keep and not self._kept(snap)
+        ]  # LRU first
         for key in spare[: max(0, len(self.snapshots) - self.max_snapshots)]:
             self.forget(key)
 
