@@ -8,23 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
-import chz
 import numpy as np
 import pytest
-import tinker
 from tinker_cookbook.rl import train as rl_train
-from tinker_cookbook.rl.types import (
-    Env,
-    EnvGroupBuilder,
-    RLDataset,
-    RLDatasetBuilder,
-    StepResult,
-)
 
-from conftest import run_rlcli
+from conftest import LowTokensBuilder, run_rlcli
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 DEAD_URL = "http://127.0.0.1:9"
@@ -297,60 +287,9 @@ def test_bad_datasets_are_one_line_before_any_server_work(tmp_path, tiny_model):
 
 
 # ---- learning -------------------------------------------------------------------------------
-# A reward a tiny policy can raise quickly: the share of sampled tokens from the lower half of
-# the vocabulary (about 0.5 for the untrained model). Rising reward means the server's fused
-# loss pushed the policy the right way, through the cookbook's unmodified RL loop.
-
-
-class LowTokensEnv(Env):
-    def __init__(self, prompt: list[int], vocab: int) -> None:
-        self.prompt, self.vocab = prompt, vocab
-
-    async def initial_observation(self):
-        return tinker.ModelInput.from_ints(self.prompt), []
-
-    async def step(self, action, *, extra=None) -> StepResult:
-        tokens = list(action)
-        reward = float(np.mean([t < self.vocab // 2 for t in tokens])) if tokens else 0.0
-        return StepResult(
-            reward=reward,
-            episode_done=True,
-            next_observation=tinker.ModelInput.empty(),
-            next_stop_condition=[],
-        )
-
-
-class LowTokensGroup(EnvGroupBuilder):
-    def __init__(self, prompt: list[int], vocab: int, size: int) -> None:
-        self.prompt, self.vocab, self.size = prompt, vocab, size
-
-    async def make_envs(self) -> Sequence[Env]:
-        return [LowTokensEnv(self.prompt, self.vocab) for _ in range(self.size)]
-
-
-class LowTokensDataset(RLDataset):
-    def __init__(self, batches: int, groups: int, size: int, vocab: int) -> None:
-        self.batches, self.groups, self.size, self.vocab = batches, groups, size, vocab
-
-    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
-        return [
-            LowTokensGroup([5 + index % 7, 17 + g], self.vocab, self.size)
-            for g in range(self.groups)
-        ]
-
-    def __len__(self) -> int:
-        return self.batches
-
-
-@chz.chz
-class LowTokensBuilder(RLDatasetBuilder):
-    batches: int
-    groups: int
-    size: int
-    vocab: int
-
-    async def __call__(self):
-        return LowTokensDataset(self.batches, self.groups, self.size, self.vocab), None
+# LowTokensBuilder (conftest): reward is the share of sampled tokens from the lower half of the
+# vocabulary. Rising reward means the server's fused loss pushed the policy the right way,
+# through the cookbook's unmodified RL loop.
 
 
 @pytest.mark.slow
