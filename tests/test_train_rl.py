@@ -253,6 +253,16 @@ def test_arithmetic_and_a_users_jsonl_train_end_to_end(tmp_path, server, tiny_mo
     assert summary["state_path"].startswith("tinker://") and summary["first_reward"] is not None
     rollouts = tmp_path / "arith" / "iteration_000000" / "train_rollout_summaries.jsonl"
     assert "arithmetic" in json.loads(rollouts.read_text().splitlines()[0])["tags"]
+    # every step reports the sampler/trainer agreement: metrics.jsonl, progress, show, plot
+    rows = [json.loads(line) for line in (tmp_path / "arith" / "metrics.jsonl").open()]
+    assert all(0 <= r["rlcli/logp_diff_mean:mean"] < 1e-4 for r in rows), rows  # float32
+    assert all(r["rlcli/ratio_outside_frac:mean"] == 0 for r in rows)
+    assert "dlogp" in result.stderr
+    shown = run("runs", "show", str(tmp_path / "arith"))
+    assert "rlcli/logp_diff_max:max" in shown.stdout, shown.stdout
+    plotted = run("runs", "plot", str(tmp_path / "arith"), "--json")
+    labels = [p["label"] for p in json.loads(plotted.stdout)["panels"]]
+    assert "sampler/trainer |dlogp|" in labels, plotted.stdout
     data = tmp_path / "qa.jsonl"
     data.write_text(
         "".join(json.dumps({"question": f"{i} + 1?", "answer": i + 1}) + "\n" for i in range(4))
