@@ -81,7 +81,12 @@ def one_run(args, model: Path, dtype: str, seed: int, evaluation: list[str], bas
         with _receipt.local_server(model, tmp, wait=600, dtype=dtype) as record:
             url = record.base_url
             if base is None:
-                base = json.loads(rlcli("eval", "rl", *evaluation, base_url=url).stdout)
+                full = json.loads(rlcli("eval", "rl", *evaluation, base_url=url).stdout)
+                base = {
+                    "pass_rate": full["pass_rate"],
+                    "mean_reward": full["mean_reward"],
+                    "correct": correct_rate(full),
+                }
             t0 = time.perf_counter()
             train = rlcli(
                 "train", "rl", "--dataset", "arithmetic", "--model", str(model),
@@ -107,7 +112,7 @@ def one_run(args, model: Path, dtype: str, seed: int, evaluation: list[str], bas
         "accuracy_after": after["pass_rate"],
         "gain_points": 100 * (after["pass_rate"] - base["pass_rate"]),
         # right answer whatever the ending (the env's reward is 0.9 for right but no <|im_end|>)
-        "correct_before": correct_rate(base),
+        "correct_before": base["correct"],
         "correct_after": correct_rate(after),
         "mean_reward_before": base["mean_reward"],
         "mean_reward_after": after["mean_reward"],
@@ -162,6 +167,14 @@ def main() -> None:
         choices=["float32", "bfloat16", "auto"], help="server --dtype, one table each",
     )  # fmt: skip
     parser.add_argument("--seeds", default="0", help="e.g. 0-4 or 0,2")
+    parser.add_argument(
+        "--order", choices=["seed", "dtype"], default="seed",
+        help="seed: both dtypes of a seed, then the next seed; dtype: every seed of the first",
+    )  # fmt: skip
+    parser.add_argument(
+        "--keep", action="store_true",
+        help="keep the runs already in the receipt (same settings), run only the missing ones",
+    )  # fmt: skip
     parser.add_argument("--name", default="rl_learning_smollm2", help="receipt name")
     args = parser.parse_args()
 
@@ -174,26 +187,48 @@ def main() -> None:
     seeds = seed_list(args.seeds)
     base: dict[str, dict] = {}
     runs: list[dict] = []
-    # seeds in the outer loop: an interrupted benchmark still has both dtypes for its seeds
-    for seed in seeds:
-        for dtype in args.dtype:
-            run = one_run(args, model, dtype, seed, evaluation, base.get(dtype))
-            base[dtype] = run.pop("_base")
-            runs.append(run)
-            print(json.dumps({k: run[k] for k in ("dtype", "seed", "gain_points")}), flush=True)
-            receipt = {
-                "what": "held-out accuracy before/after `rlcli train rl --dataset arithmetic`, "
-                "SmolLM2-135M-Instruct on CPU, per server --dtype and seed",
-                "model": str(model),
-                "config": {**vars(args), "seeds": seeds},
-                "eval": f"`rlcli eval rl --env arithmetic --tasks {args.eval_tasks} --seed "
-                f"{args.eval_seed}` greedy, the environment's held-out test pairs (never "
-                "trained on); the base model once per dtype",
-                "done": f"{len(runs)} of {len(seeds) * len(args.dtype)} runs",
-                "tables": tables(runs),
-                "runs": runs,
-            }
-            path = _receipt.write(args.name, receipt)
+    settings = {k: v for k, v in vars(args).items() if k not in ("dtype", "seeds", "order", "keep")}
+    old = _receipt.RESULTS / f"{args.name}.json"
+    if args.keep and old.exists():
+        kept = json.loads(old.read_text())
+        if {k: kept["config"].get(k) for k in settings} == settings:
+            runs = kept["runs"]
+            for r in runs:  # each dtype's base-model figures, the same in all its runs
+                base.setdefault(
+                    r["dtype"],
+                    {
+                        "pass_rate": r["accuracy_before"],
+                        "mean_reward": r["mean_reward_before"],
+                        "correct": r["correct_before"],
+                    },
+                )
+    done = {(r["dtype"], r["seed"]) for r in runs}
+    # by seed: an interrupted benchmark still has both dtypes for the seeds it did
+    pairs = [(d, s) for s in seeds for d in args.dtype]
+    if args.order == "dtype":
+        pairs = [(d, s) for d in args.dtype for s in seeds]
+    path = None
+    for dtype, seed in pairs:
+        if (dtype, seed) in done:
+            continue
+        run = one_run(args, model, dtype, seed, evaluation, base.get(dtype))
+        base[dtype] = run.pop("_base")
+        runs.append(run)
+        print(json.dumps({k: run[k] for k in ("dtype", "seed", "gain_points")}), flush=True)
+        receipt = {
+            "what": "held-out accuracy before/after `rlcli train rl --dataset arithmetic`, "
+            "SmolLM2-135M-Instruct on CPU, per server --dtype and seed",
+            "model": str(model),
+            "config": {**vars(args), "seeds": sorted({r["seed"] for r in runs})},
+            "eval": f"`rlcli eval rl --env arithmetic --tasks {args.eval_tasks} --seed "
+            f"{args.eval_seed}` greedy, the environment's held-out test pairs (never "
+            "trained on); the base model once per dtype",
+            "done": f"{len(runs)} runs",
+            "tables": tables(runs),
+            "runs": runs,
+            "base": base,  # each dtype's base-model figures (for --keep)
+        }
+        path = _receipt.write(args.name, receipt)
     print(json.dumps(tables(runs), indent=1))
     print(f"-> {path}")
 
