@@ -20,7 +20,7 @@ import tinker
 from tinker import types
 from tinker_cookbook.rl import train as rl_train
 
-from conftest import LowTokensBuilder, start_server
+from conftest import LowTokensBuilder, run_rlcli, start_server
 
 MEAN = "rlcli/logp_diff_mean:mean"
 MAX = "rlcli/logp_diff_max:max"
@@ -144,3 +144,22 @@ def test_the_same_rl_job_learns_in_bf16_as_in_float32(tmp_path, server, bf16_ser
         curves[dtype] = last
         print(dtype, "rewards", [round(x, 3) for x in rewards], "mean |diff|", rows[-1][MEAN])
     assert abs(curves["bfloat16"] - curves["float32"]) <= LEARNED_REWARD_ATOL, curves
+
+
+def test_a_seeded_bf16_run_repeats_its_rollouts_and_curves(tmp_path, bf16_server, tiny_model):
+    """Same seed, same machine, bf16 server: the same sampled tokens (entropy, rewards) and the
+    same loss-side numbers (sampler/trainer mismatch, gradient norm) step by step."""
+    curves = []
+    for name in ("a", "b"):
+        result = run_rlcli(
+            "train", "rl", "--model", str(tiny_model), "--base-url", bf16_server.base_url,
+            "--dataset", "arithmetic", "--batch-size", "2", "--group-size", "4",
+            "--max-tokens", "8", "--max-steps", "3", "--seed", "3", "--lr", "1e-2",
+            "--log-path", str(tmp_path / name), "--json",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        keys = ("optim/entropy", "env/all/reward/total", MEAN, MAX, "grad_norm:mean")
+        curves.append([[r.get(k) for k in keys] for r in rows])
+    assert len(curves[0]) == 3 and all(None not in step for step in curves[0]), curves[0]
+    assert curves[0] == curves[1], curves
