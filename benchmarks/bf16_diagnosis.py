@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -147,6 +148,10 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--alone", type=int, default=8, help="rows re-sampled alone")
+    parser.add_argument(
+        "--bf16", choices=["mixed", "plain"], default="mixed",
+        help="mixed: the engine as it is (precision.py); plain: torch's bf16 Linears (before)",
+    )  # fmt: skip
     parser.add_argument("--name", default="bf16_diagnosis")
     args = parser.parse_args()
 
@@ -160,6 +165,10 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):
         t0 = time.perf_counter()
         engine = Engine(str(model), device="cpu", dtype=dtype)
+        if args.bf16 == "plain":
+            for module in engine.model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.__class__ = torch.nn.Linear
         engine.create_adapter("a", rank=32, seed=0)
         engine.snapshot_sampler("a", "s0", None, {})
         r: dict = {"load_s": time.perf_counter() - t0}
@@ -226,6 +235,16 @@ def main() -> None:
         jobs = jobs_for(ps, "s1", args.group, args.max_tokens, args.temperature, 100)
         rows1 = rollouts(engine, jobs)
         r["mismatch_after_one_step"] = mismatch(rows1, train_logprobs(engine, "a", rows1))
+        if dtype == "float32":
+            stepped32 = [p.detach().clone() for p in engine.adapters["a"].params]
+        else:  # float32's stepped LoRA weights in this forward: does the same update show?
+            with torch.no_grad():
+                for p, w in zip(engine.adapters["a"].params, stepped32, strict=True):
+                    p.copy_(w)
+            same = train_logprobs(engine, "a", reference_rows)
+            deltas["same_weights"] = np.concatenate(
+                [a - b for a, b in zip(same, ref_trained, strict=True)]
+            )
         results[dtype] = r
         print(dtype, json.dumps(r, indent=1), flush=True)
         del engine
@@ -238,7 +257,17 @@ def main() -> None:
         "fp32_abs_mean": float(np.abs(d32).mean()),
         "bf16_abs_mean": float(np.abs(d16).mean()),
     }
+    same = deltas["same_weights"]
+    results["lora_same_weights"] = {
+        "what": "float32's LoRA weights after its one IS step, in the bf16 forward: change of "
+        "training logprobs vs the change in float32",
+        "correlation": float(np.corrcoef(d32, same)[0, 1]),
+        "relative_error": float(np.linalg.norm(same - d32) / np.linalg.norm(d32)),
+        "fp32_abs_mean": float(np.abs(d32).mean()),
+        "bf16_abs_mean": float(np.abs(same).mean()),
+    }
     print(json.dumps(results["lora_step_survival"], indent=1))
+    print(json.dumps(results["lora_same_weights"], indent=1))
     cpu = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln]
     flags = set(Path("/proc/cpuinfo").read_text().split())
     results["cpu"] = {
@@ -246,6 +275,7 @@ def main() -> None:
         "bf16_flags": sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"}),
     }
     results["config"] = vars(args)
+    results["machine_cpu"] = _receipt.cpu_model()
     print("->", _receipt.write(args.name, results))
 
 
