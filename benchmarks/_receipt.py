@@ -13,10 +13,22 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 
 
+def cpu_model() -> dict:
+    """The CPU's model name and its bf16 flags (``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    names = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if "model name" in ln]
+    flags = sorted({"avx512_bf16", "amx_bf16", "amx_tile", "avx512f"} & set(text.split()))
+    return {"cpu_model": names[0] if names else None, "cpu_bf16_flags": flags}
+
+
 def machine() -> dict:
     import torch
 
     return {
+        **cpu_model(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -27,14 +39,17 @@ def machine() -> dict:
 
 
 @contextlib.contextmanager
-def local_server(model: str | Path, tmp: str | Path, wait: float = 300):
-    """Our torch server for ``model`` on a free loopback port (CPU), stopped on exit."""
+def local_server(model: str | Path, tmp: str | Path, wait: float = 300, dtype: str = "auto"):
+    """Our torch server for ``model`` on a free loopback port (CPU, ``--dtype``), stopped on
+    exit."""
     from rlcli.backends import process
     from rlcli.backends import torch as torch_backend
     from rlcli.demo import free_port
 
     home = Path(tmp) / "home"
-    opts = torch_backend.TorchServerOptions(base_model=str(model), port=free_port(), device="cpu")
+    opts = torch_backend.TorchServerOptions(
+        base_model=str(model), port=free_port(), device="cpu", dtype=dtype
+    )
     record, healthy = torch_backend.start(home, opts, wait=wait)
     try:
         if not healthy:

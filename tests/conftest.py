@@ -11,9 +11,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+import chz
+import numpy as np
 import pytest
+import tinker
+from tinker_cookbook.rl.types import Env, EnvGroupBuilder, RLDataset, RLDatasetBuilder, StepResult
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # tests talk to our server only
 # Runs, server records and the run index go to a scratch home, never the user's ~/.rlcli
@@ -237,3 +242,59 @@ def old_sdk_python() -> str:
         check=True, timeout=1800,
     )  # fmt: skip
     return str(python)
+
+
+# ---- a reward a tiny policy can raise quickly ------------------------------------------------
+# The share of sampled tokens from the lower half of the vocabulary (about 0.5 for the
+# untrained model), for the cookbook's own RL loop (test_train_rl.py, test_bf16_rl.py).
+
+
+class LowTokensEnv(Env):
+    def __init__(self, prompt: list[int], vocab: int) -> None:
+        self.prompt, self.vocab = prompt, vocab
+
+    async def initial_observation(self):
+        return tinker.ModelInput.from_ints(self.prompt), []
+
+    async def step(self, action, *, extra=None) -> StepResult:
+        tokens = list(action)
+        reward = float(np.mean([t < self.vocab // 2 for t in tokens])) if tokens else 0.0
+        return StepResult(
+            reward=reward,
+            episode_done=True,
+            next_observation=tinker.ModelInput.empty(),
+            next_stop_condition=[],
+        )
+
+
+class LowTokensGroup(EnvGroupBuilder):
+    def __init__(self, prompt: list[int], vocab: int, size: int) -> None:
+        self.prompt, self.vocab, self.size = prompt, vocab, size
+
+    async def make_envs(self) -> Sequence[Env]:
+        return [LowTokensEnv(self.prompt, self.vocab) for _ in range(self.size)]
+
+
+class LowTokensDataset(RLDataset):
+    def __init__(self, batches: int, groups: int, size: int, vocab: int) -> None:
+        self.batches, self.groups, self.size, self.vocab = batches, groups, size, vocab
+
+    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
+        return [
+            LowTokensGroup([5 + index % 7, 17 + g], self.vocab, self.size)
+            for g in range(self.groups)
+        ]
+
+    def __len__(self) -> int:
+        return self.batches
+
+
+@chz.chz
+class LowTokensBuilder(RLDatasetBuilder):
+    batches: int
+    groups: int
+    size: int
+    vocab: int
+
+    async def __call__(self):
+        return LowTokensDataset(self.batches, self.groups, self.size, self.vocab), None

@@ -8,23 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
-import chz
 import numpy as np
 import pytest
-import tinker
 from tinker_cookbook.rl import train as rl_train
-from tinker_cookbook.rl.types import (
-    Env,
-    EnvGroupBuilder,
-    RLDataset,
-    RLDatasetBuilder,
-    StepResult,
-)
 
-from conftest import GSM8K, run_rlcli
+from conftest import GSM8K, LowTokensBuilder, run_rlcli
 
 DEAD_URL = "http://127.0.0.1:9"
 LOSSES = ["importance_sampling", "ppo", "cispo", "dro", "gspo"]
@@ -250,6 +240,16 @@ def test_arithmetic_and_a_users_jsonl_train_end_to_end(tmp_path, server, tiny_mo
     assert summary["state_path"].startswith("tinker://") and summary["first_reward"] is not None
     rollouts = tmp_path / "arith" / "iteration_000000" / "train_rollout_summaries.jsonl"
     assert "arithmetic" in json.loads(rollouts.read_text().splitlines()[0])["tags"]
+    # every step reports the sampler/trainer agreement: metrics.jsonl, progress, show, plot
+    rows = [json.loads(line) for line in (tmp_path / "arith" / "metrics.jsonl").open()]
+    assert all(0 <= r["rlcli/logp_diff_mean:mean"] < 1e-4 for r in rows), rows  # float32
+    assert all(r["rlcli/ratio_outside_frac:mean"] == 0 for r in rows)
+    assert "dlogp" in result.stderr
+    shown = run("runs", "show", str(tmp_path / "arith"))
+    assert "rlcli/logp_diff_max:max" in shown.stdout, shown.stdout
+    plotted = run("runs", "plot", str(tmp_path / "arith"), "--json")
+    labels = [p["label"] for p in json.loads(plotted.stdout)["panels"]]
+    assert "sampler/trainer |dlogp|" in labels, plotted.stdout
     data = tmp_path / "qa.jsonl"
     data.write_text(
         "".join(json.dumps({"question": f"{i} + 1?", "answer": i + 1}) + "\n" for i in range(4))
@@ -284,60 +284,9 @@ def test_bad_datasets_are_one_line_before_any_server_work(tmp_path, tiny_model):
 
 
 # ---- learning -------------------------------------------------------------------------------
-# A reward a tiny policy can raise quickly: the share of sampled tokens from the lower half of
-# the vocabulary (about 0.5 for the untrained model). Rising reward means the server's fused
-# loss pushed the policy the right way, through the cookbook's unmodified RL loop.
-
-
-class LowTokensEnv(Env):
-    def __init__(self, prompt: list[int], vocab: int) -> None:
-        self.prompt, self.vocab = prompt, vocab
-
-    async def initial_observation(self):
-        return tinker.ModelInput.from_ints(self.prompt), []
-
-    async def step(self, action, *, extra=None) -> StepResult:
-        tokens = list(action)
-        reward = float(np.mean([t < self.vocab // 2 for t in tokens])) if tokens else 0.0
-        return StepResult(
-            reward=reward,
-            episode_done=True,
-            next_observation=tinker.ModelInput.empty(),
-            next_stop_condition=[],
-        )
-
-
-class LowTokensGroup(EnvGroupBuilder):
-    def __init__(self, prompt: list[int], vocab: int, size: int) -> None:
-        self.prompt, self.vocab, self.size = prompt, vocab, size
-
-    async def make_envs(self) -> Sequence[Env]:
-        return [LowTokensEnv(self.prompt, self.vocab) for _ in range(self.size)]
-
-
-class LowTokensDataset(RLDataset):
-    def __init__(self, batches: int, groups: int, size: int, vocab: int) -> None:
-        self.batches, self.groups, self.size, self.vocab = batches, groups, size, vocab
-
-    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
-        return [
-            LowTokensGroup([5 + index % 7, 17 + g], self.vocab, self.size)
-            for g in range(self.groups)
-        ]
-
-    def __len__(self) -> int:
-        return self.batches
-
-
-@chz.chz
-class LowTokensBuilder(RLDatasetBuilder):
-    batches: int
-    groups: int
-    size: int
-    vocab: int
-
-    async def __call__(self):
-        return LowTokensDataset(self.batches, self.groups, self.size, self.vocab), None
+# LowTokensBuilder (conftest): reward is the share of sampled tokens from the lower half of the
+# vocabulary. Rising reward means the server's fused loss pushed the policy the right way,
+# through the cookbook's unmodified RL loop.
 
 
 @pytest.mark.slow

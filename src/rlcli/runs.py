@@ -41,7 +41,12 @@ DETACHED_LOG = "detached.log"
 # What each kind of run is judged by: (metrics.jsonl key, label), the first is the headline.
 METRICS = {
     "sl": (("train_mean_nll", "loss"), ("test/nll", "held-out loss")),
-    "rl": (("env/all/reward/total", "reward"), ("env/all/correct", "accuracy")),
+    "rl": (
+        ("env/all/reward/total", "reward"),
+        ("env/all/correct", "accuracy"),
+        # rlcli's torch server: mean |logp_train - logp_sampler| per sampled token, per step
+        ("rlcli/logp_diff_mean:mean", "sampler/trainer |dlogp|"),
+    ),
     "opsd": (("teacher_kl", "kl"),),
     "harbor": (("env/all/reward/total", "reward"), ("env/all/test_passed", "passed")),
 }

@@ -260,6 +260,8 @@ def policy_config(spec: dict, builder, recipe_name: str):
 
 REWARD, ACCURACY = "env/all/reward/total", "env/all/correct"
 SAMPLED_TOKENS = "env/all/total_ac_tokens"  # per step: behind the tokens/s shown
+# rlcli's torch server: mean |logp_train - logp_sampler| over the step's sampled tokens
+LOGP_DIFF = "rlcli/logp_diff_mean:mean"
 
 
 def seed_sampling(seed: int) -> None:
@@ -326,7 +328,7 @@ def policy_summary(config, last_values: dict[str, str]) -> dict:
 
 
 COMMAND = "rlcli train rl"
-SHOW = {REWARD: "reward", ACCURACY: "acc"}
+SHOW = {REWARD: "reward", ACCURACY: "acc", LOGP_DIFF: "dlogp"}
 TOKENS_KEY = SAMPLED_TOKENS
 
 

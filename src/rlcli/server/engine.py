@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import operator
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from rlcli.models import end_of_turn_id
-from rlcli.server import attention, checkpoints, finite, logprobs, losses
+from rlcli.server import attention, checkpoints, finite, logprobs, losses, precision
 from rlcli.server.errors import UserError
 from rlcli.server.samplers import SamplerCache
 from rlcli.server.sampling import DecodeBatch, SampleJob, SampleOutput, generate
@@ -44,6 +45,10 @@ MAX_LOADED_SAMPLERS = 8  # sampler snapshots kept as live peft adapters (LRU)
 MAX_SNAPSHOTS = 16
 SNAPSHOTS_PER_CLIENT = 2
 SAMPLE_ROWS_PER_BATCH = 64  # rows (prompt x sample) decoded together
+# optim_step metrics: the step's sampler/trainer agreement (``step_mismatch``)
+STEP_MISMATCH_MEAN = "rlcli/logp_diff_mean:mean"
+STEP_MISMATCH_MAX = "rlcli/logp_diff_max:max"
+STEP_RATIO_OUTSIDE = "rlcli/ratio_outside_frac:mean"
 
 
 @dataclass
@@ -55,6 +60,8 @@ class Adapter:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
     steps: int = 0
+    # sampler/trainer mismatch summed over the forward_backward calls since the last step
+    mismatch: dict[str, float] = field(default_factory=dict)
 
 
 def pick_device(device: str) -> torch.device:
@@ -71,7 +78,8 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     ``auto`` is bfloat16 where the hardware computes in it (a CUDA device with bf16, a CPU with
     AVX512-BF16 or AMX) and float32 elsewhere: on an AVX2-only CPU bf16 matmuls are emulated
     and ~6x slower than float32. LoRA weights and optimizer state stay float32 (peft's
-    ``autocast_adapter_dtype``)."""
+    ``autocast_adapter_dtype``), and so does everything but the base weights' matmuls
+    (``precision.py``)."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
@@ -154,6 +162,8 @@ class Engine:
         self.model = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
         self.model.to(self.device)
         self.model.requires_grad_(False)
+        # bf16 matmuls, float32 results: a LoRA update is not rounded away (precision.py)
+        precision.mixed_precision(self.model)
         if self.device.type == "cpu":
             attention.use_grouped_sdpa(self.model)
         self._checkpoint_above = checkpoint_above(
@@ -393,6 +403,7 @@ class Engine:
         outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
         total_loss = 0.0
         metric_sums: dict[str, float] = {}
+        mismatch: dict[str, float] = {}  # sampler vs training logprobs (losses.sampler_mismatch)
         staged = contextlib.nullcontext() if forward_only else finite.staged_gradients(params)
         with staged, torch.set_grad_enabled(not forward_only):
             for idx in _microbatches([len(d.tokens) for d in data], self.microbatch_tokens):
@@ -406,6 +417,10 @@ class Engine:
                 total_loss += loss
                 for key, value in result.metrics.items():
                     metric_sums[key] = metric_sums.get(key, 0.0) + value
+                if "logprobs" in spec.required:
+                    for key, value in losses.sampler_mismatch(logp, inputs, mask).items():
+                        merge = max if key == losses.MISMATCH_MAX else operator.add
+                        mismatch[key] = merge(mismatch.get(key, 0.0), value)
                 logp_np = logp.detach().float().cpu().numpy()
                 elementwise = result.elementwise.detach().float().cpu().numpy()
                 for row, i in enumerate(idx):
@@ -419,6 +434,11 @@ class Engine:
                 finite.check_finite(value, f"metric {key}")
         metrics = {"loss:sum": total_loss}
         metrics.update({f"{k}:sum": v for k, v in metric_sums.items()})
+        metrics.update(mismatch)
+        if not forward_only:  # the step's share, reported by optim_step
+            for key, value in mismatch.items():
+                merge = max if key == losses.MISMATCH_MAX else operator.add
+                adapter.mismatch[key] = merge(adapter.mismatch.get(key, 0.0), value)
         return outputs, metrics
 
     def _target_logprobs(
@@ -483,7 +503,10 @@ class Engine:
         finite.guarded_step(adapter.params, adapter.optimizer)
         adapter.optimizer.zero_grad(set_to_none=True)
         adapter.steps += 1
-        return {"grad_norm:mean": grad_norm, "learning_rate:mean": learning_rate}
+        metrics = {"grad_norm:mean": grad_norm, "learning_rate:mean": learning_rate}
+        metrics.update(step_mismatch(adapter.mismatch))
+        adapter.mismatch = {}
+        return metrics
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _adapter_state(self, name: str) -> dict[str, torch.Tensor]:
@@ -640,6 +663,21 @@ class Engine:
         if adapter is None:
             raise UserError(f"unknown model_id {model_id!r}")
         return adapter
+
+
+def step_mismatch(sums: dict[str, float]) -> dict[str, float]:
+    """A step's sampler/trainer agreement from its forward_backward sums: the mean and max of
+    |logp_train - logp_sampler| over the sampled tokens and the share of importance ratios
+    outside [0.5, 2] (the cookbook's RL loop writes optim_step's metrics to metrics.jsonl, not
+    forward_backward's). Nothing when no RL loss ran since the last step."""
+    tokens = sums.get(losses.MISMATCH_TOKENS, 0.0)
+    if not tokens:
+        return {}
+    return {
+        STEP_MISMATCH_MEAN: sums[losses.MISMATCH_SUM] / tokens,
+        STEP_MISMATCH_MAX: sums[losses.MISMATCH_MAX],
+        STEP_RATIO_OUTSIDE: sums[losses.RATIO_OUTSIDE] / tokens,
+    }
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

@@ -152,6 +152,31 @@ def gspo(logp, inputs, mask, config) -> LossResult:
     )
 
 
+# Sampler/trainer agreement, reported by every loss that receives the sampler's logprobs.
+# Names carry rlcli's prefix (no SDK or cookbook metric starts with it) and exactly one ':'
+# reduction suffix, which the SDK uses to merge chunked results (sum, max).
+MISMATCH_SUM = "rlcli/logp_diff_sum:sum"  # sum over sampled tokens of |logp_train - logp_sampler|
+MISMATCH_MAX = "rlcli/logp_diff_max:max"  # the largest of them
+MISMATCH_TOKENS = "rlcli/logp_diff_tokens:sum"  # sampled tokens counted
+RATIO_OUTSIDE = "rlcli/ratio_outside_count:sum"  # of those, ratio exp(diff) outside [0.5, 2]
+
+
+def sampler_mismatch(logp, inputs, mask) -> dict[str, float]:
+    """|logp_train - logp_sampler| over the tokens the sampler produced (in the mask, with a
+    nonzero sampler logprob or advantage: the cookbook sends 0 for both on prompt tokens):
+    its sum, max and count, and how many importance ratios leave [0.5, 2]."""
+    sampled = mask & ((inputs["logprobs"] != 0) | (inputs.get("advantages", 0.0) != 0))
+    diff = (logp.detach() - inputs["logprobs"]).abs()[sampled]
+    if diff.numel() == 0:
+        return {MISMATCH_SUM: 0.0, MISMATCH_MAX: 0.0, MISMATCH_TOKENS: 0.0, RATIO_OUTSIDE: 0.0}
+    return {
+        MISMATCH_SUM: float(diff.sum()),
+        MISMATCH_MAX: float(diff.max()),
+        MISMATCH_TOKENS: float(diff.numel()),
+        RATIO_OUTSIDE: float((diff > math.log(2.0)).sum()),
+    }
+
+
 _CLIP_08_12 = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(cross_entropy, required=(), optional=("weights",)),
