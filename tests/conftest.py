@@ -224,7 +224,7 @@ OLD_SDK = ("tinker==0.25.0", "tinker-cookbook[math-rl]==0.5.7")
 def old_sdk_python() -> str:
     """A Python with the 0.25 generation of the SDK and its cookbook, in a venv of its own
     (``.venv-sdk025`` beside the checkout, or ``$RLCLI_OLD_SDK_VENV``): built once from PyPI,
-    reused after. ``.ci/run`` builds it before the suite."""
+    reused after (CI included: the first test that needs it builds it)."""
     venv = Path(
         os.environ.get("RLCLI_OLD_SDK_VENV") or Path(__file__).parent.parent / ".venv-sdk025"
     )
