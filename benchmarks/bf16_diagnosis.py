@@ -248,24 +248,27 @@ def main() -> None:
         results[dtype] = r
         print(dtype, json.dumps(r, indent=1), flush=True)
         del engine
-    d32, d16 = deltas["float32"], deltas["bfloat16"]
-    results["lora_step_survival"] = {
-        "what": "change of training logprobs on the same fp32 rollouts made by one IS step "
+    d32 = deltas["float32"]
+
+    def against_float32(what: str, other: np.ndarray) -> dict:
+        return {
+            "what": what,
+            "correlation": float(np.corrcoef(d32, other)[0, 1]),
+            "relative_error": float(np.linalg.norm(other - d32) / np.linalg.norm(d32)),
+            "fp32_abs_mean": float(np.abs(d32).mean()),
+            "bf16_abs_mean": float(np.abs(other).mean()),
+        }
+
+    results["lora_step_survival"] = against_float32(
+        "change of training logprobs on the same fp32 rollouts made by one IS step "
         "(same init, same advantages): bf16 vs fp32",
-        "correlation": float(np.corrcoef(d32, d16)[0, 1]),
-        "relative_error": float(np.linalg.norm(d16 - d32) / np.linalg.norm(d32)),
-        "fp32_abs_mean": float(np.abs(d32).mean()),
-        "bf16_abs_mean": float(np.abs(d16).mean()),
-    }
-    same = deltas["same_weights"]
-    results["lora_same_weights"] = {
-        "what": "float32's LoRA weights after its one IS step, in the bf16 forward: change of "
+        deltas["bfloat16"],
+    )
+    results["lora_same_weights"] = against_float32(
+        "float32's LoRA weights after its one IS step, in the bf16 forward: change of "
         "training logprobs vs the change in float32",
-        "correlation": float(np.corrcoef(d32, same)[0, 1]),
-        "relative_error": float(np.linalg.norm(same - d32) / np.linalg.norm(d32)),
-        "fp32_abs_mean": float(np.abs(d32).mean()),
-        "bf16_abs_mean": float(np.abs(same).mean()),
-    }
+        deltas["same_weights"],
+    )
     print(json.dumps(results["lora_step_survival"], indent=1))
     print(json.dumps(results["lora_same_weights"], indent=1))
     cpu = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln]

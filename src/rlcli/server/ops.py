@@ -122,12 +122,8 @@ class SaveState(Op):
 
 
 @dataclass
-class SaveExternal(Op):
+class SaveExternal(SaveState):
     """tinker>=0.38 ``save_weights_external``: the adapter alone, as files to download."""
-
-    model_id: str
-    directory: str
-    meta: dict[str, Any]
 
     def run(self, engine: Engine) -> Any:
         return engine.save_state(self.model_id, self.directory, self.meta, with_optimizer=False)
