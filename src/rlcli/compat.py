@@ -70,6 +70,9 @@ def resolve_renderer(model: str, requested: str | None):
 # record ``batch = s + 1``, the batch that really comes next. A resume from the last batch of
 # an epoch then starts at ``batch == n_batches``, which the recipe's loop treats as the start
 # of the next epoch. tests/test_resume.py checks the cookbook still behaves this way.
+# The checkpoint is named ``s + 1`` too (and saved on that count's cadence): every checkpoint of
+# every recipe is named by the optimizer steps it holds, the "step N" that progress, ``runs
+# show`` and a cancel print, and a name saved already is not saved (or recorded) twice.
 SL_SAVE_RECORDS_BATCH_BEFORE_ITS_STEP = True
 
 
@@ -119,10 +122,12 @@ def install_run_hooks(report, seed: int = 0) -> None:
     original_maybe_save = manager.maybe_save_async
 
     async def maybe_save_async(self, step, loop_state, *args, **kwargs):
-        if state["sl"] and "batch" in loop_state:
-            loop_state = {**loop_state, "batch": loop_state["batch"] + 1}
+        if state["sl"]:  # SL's step s is saved once it is done: name it s + 1 (steps held)
+            step += 1
+            if "batch" in loop_state:
+                loop_state = {**loop_state, "batch": loop_state["batch"] + 1}
         if self.should_save_periodic(step, elapsed_tokens=kwargs.get("elapsed_tokens", 0)):
-            report("saving checkpoint", step=step)
+            report("saving checkpoint", step=step - 1)
         return await original_maybe_save(self, step, loop_state, *args, **kwargs)
 
     manager.maybe_save_async = maybe_save_async
@@ -130,8 +135,11 @@ def install_run_hooks(report, seed: int = 0) -> None:
     original_save_periodic = manager.save_periodic_async
 
     async def save_periodic_async(self, step, loop_state):
-        if not state["sl"]:  # RL saves through this directly
-            report("saving checkpoint", step=step)
+        saved = _saved_as(self._log_path, f"{step:06d}")
+        if saved is not None:  # a cancel at a step just saved: one row per checkpoint
+            return saved
+        if not state["sl"]:  # RL saves through this directly; its step i holds i steps
+            report("saving checkpoint", step=step - 1)
         return await original_save_periodic(self, step, loop_state)
 
     manager.save_periodic_async = save_periodic_async
@@ -208,6 +216,17 @@ def install_run_hooks(report, seed: int = 0) -> None:
             report("recipe finished")
 
     train_on_policy.main = distillation_main
+
+
+def _saved_as(log_path, name: str) -> dict[str, str] | None:
+    """The paths of the run's last checkpoint if it is already called ``name``, else None."""
+    from tinker_cookbook import checkpoint_utils
+
+    records = checkpoint_utils.load_checkpoints_file(str(log_path))
+    if not records or records[-1].name != name:
+        return None
+    last = records[-1]
+    return {k: last.get(k) for k in ("state_path", "sampler_path") if last.has(k)}
 
 
 # ---- On-policy distillation (train opsd) -----------------------------------------------------
@@ -402,8 +421,9 @@ def install_cancel_hook(cancel_requested, report) -> None:
                 if manager is None:
                     raise
                 step = cancelled.step
-                if sl and seen["sl_state"] and seen["sl_state"][0] == step:
-                    name, loop_state = step, seen["sl_state"][1]
+                # Named by the steps it holds, as every checkpoint (install_run_hooks).
+                if sl and seen["sl_state"] and seen["sl_state"][0] == step + 1:
+                    name, loop_state = step + 1, seen["sl_state"][1]
                 else:
                     name, loop_state = step + 1, {"batch": step + 1}
                 report("cancelling: saving a checkpoint", step=step)
