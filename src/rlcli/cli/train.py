@@ -40,10 +40,15 @@ def _train(recipe, opts) -> None:
     teacher = getattr(opts, "teacher", None)
     if teacher and not teacher.startswith("tinker://"):  # opsd's --teacher, the same way
         opts.teacher = local_model(teacher, report=info)
+    url, source = endpoint.resolve_base_url(opts.base_url)
+    if not opts.dry_run and not Path(opts.model).expanduser().exists():
+        # A hub id: its tokenizer lookup (in prepare) can retry the hub for a minute offline,
+        # so first ask the server whether it hosts the model at all (a few ms).
+        endpoint.check_server(url, model=opts.model, source=source)
+        preflight.Server(url).check_model(opts.model)
     stdin = sys.stdin if getattr(opts, "dataset", None) == "-" else None
     plan, data = recipe.prepare(opts, stdin=stdin, dry_run=opts.dry_run)
     preflight.check_run_dir(Path(plan.run_dir))
-    url, source = endpoint.resolve_base_url(opts.base_url)
     run_opts = recipe.resolved(opts, plan, url)
     options.check_same_run(Path(plan.run_dir), run_opts, recipe.COMMAND)
     if not opts.renderer:

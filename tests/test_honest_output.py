@@ -1,0 +1,61 @@
+"""Issue 26's smaller truths: cheap checks before slow ones, values a user copies printed
+whole, one run id everywhere, and the small refusals. In-process (typer's CliRunner, direct
+calls) wherever no run is needed; servers are the session's shared one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rlcli.cli.main import app
+from rlcli.errors import RlcliError
+
+EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def invoke(*args: str, **kwargs):
+    return CliRunner().invoke(app, list(args), **kwargs)
+
+
+# ---- item 4: cheap checks first --------------------------------------------------------------
+
+
+def test_the_server_is_asked_about_a_hub_model_before_any_tokenizer_lookup(
+    tmp_path, server, monkeypatch
+):
+    from tinker_cookbook import tokenizer_utils
+
+    looked_up = []
+    original = tokenizer_utils.get_tokenizer
+    monkeypatch.setattr(
+        tokenizer_utils, "get_tokenizer", lambda name: looked_up.append(name) or original(name)
+    )
+    chats = EXAMPLES / "conversations.jsonl"
+    for command in (("sl", "--dataset", str(chats)), ("rl", "--dataset", "arithmetic")):
+        result = invoke(
+            "train", *command, "--model", HUB_ID, "--base-url", server.base_url,
+            "--log-path", str(tmp_path / command[0]),
+        )  # fmt: skip
+        assert isinstance(result.exception, RlcliError), result.output
+        assert f"--model {HUB_ID}: the server at {server.base_url} serves" in str(result.exception)
+        assert not (tmp_path / command[0]).exists()
+    assert looked_up == []  # the hub was never asked
+
+
+def test_gsm8k_from_an_unreachable_hub_fails_at_once_with_the_folder_hint(monkeypatch):
+    import datasets
+
+    from rlcli.data import gsm8k
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", gsm8k.ENV_VAR):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append(a))
+    with pytest.raises(RlcliError) as e:
+        gsm8k.load_rows(None, "test")
+    assert "hub is unreachable" in str(e.value) and "--gsm8k-dir FOLDER" in str(e.value)
+    assert calls == []  # no retrying download was started
