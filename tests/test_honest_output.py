@@ -59,3 +59,26 @@ def test_gsm8k_from_an_unreachable_hub_fails_at_once_with_the_folder_hint(monkey
         gsm8k.load_rows(None, "test")
     assert "hub is unreachable" in str(e.value) and "--gsm8k-dir FOLDER" in str(e.value)
     assert calls == []  # no retrying download was started
+
+
+# ---- item 5: values a user copies are never cut ---------------------------------------------
+
+
+def test_final_tables_print_every_value_whole_at_80_columns(capsys, monkeypatch):
+    """train's "done" and export's key/value tables, and eval --compare's table, at every
+    value length around the terminal's width (piped: 80 columns)."""
+    from rlcli.cli import evaluate
+    from rlcli.cli._output import emit
+
+    monkeypatch.setenv("COLUMNS", "80")
+    for n in range(50, 100):
+        path = "tinker://" + "r" * (n - 30) + "/sampler_weights/000004"
+        emit({"run_dir": "/tmp/run", "state_path": path, "final_loss": 1.5}, as_json=False)
+        assert path in capsys.readouterr().out, n
+        stats = {"model": "m", "checkpoint": path, "tasks": 4, "mean_reward": 0.5}
+        stats |= {"std_reward": 0.1, "pass_rate": 0.5, "tokens_generated": 9}
+        stats |= {"seconds": 1.0, "tasks_per_s": 4.0, "tokens_per_s": 9.0}
+        result = {"env": "arithmetic", "tasks": 4, "seed": 0, "base": {**stats, "checkpoint": None}}
+        evaluate.table(result | {"checkpoint": stats, "difference": {"mean_reward": 0.1}})
+        out = capsys.readouterr().out
+        assert path in out and "…" not in out, n
