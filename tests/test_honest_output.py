@@ -82,3 +82,33 @@ def test_final_tables_print_every_value_whole_at_80_columns(capsys, monkeypatch)
         evaluate.table(result | {"checkpoint": stats, "difference": {"mean_reward": 0.1}})
         out = capsys.readouterr().out
         assert path in out and "…" not in out, n
+
+
+# ---- item 6: one run id everywhere ------------------------------------------------------------
+
+
+def test_export_takes_every_run_id_runs_takes(tmp_path, monkeypatch):
+    import json
+
+    from rlcli import export, runs
+    from rlcli.recipes import runner
+
+    monkeypatch.setenv("RLCLI_HOME", str(tmp_path / "home"))
+    inside = tmp_path / "home" / "runs" / "sl-20261201-101010"
+    outside = tmp_path / "elsewhere" / "my-run"  # a --log-path folder, listed in the index
+    for folder, name in ((inside, "in"), (outside, "out")):
+        folder.mkdir(parents=True)
+        runner.write_record(folder, {"id": folder.name, "status": "finished"})
+        row = {"name": "final", "sampler_path": f"tinker://{name}/sampler_weights/final"}
+        (folder / "checkpoints.jsonl").write_text(json.dumps(row) + "\n")
+    runner.register_run(outside)
+    for given, folder in (
+        ("sl-20261201-101010", inside), ("sl-2026", inside), (str(inside), inside),
+        ("my-run", outside), ("my-r", outside), (str(outside), outside),
+    ):  # fmt: skip
+        assert runs.resolve(given) == folder.resolve()
+        assert export.from_run(given, with_optimizer=False).startswith(
+            f"tinker://{'in' if folder == inside else 'out'}/"
+        ), given
+    with pytest.raises(RlcliError, match="no run 'nope'"):
+        export.from_run("nope", with_optimizer=False)

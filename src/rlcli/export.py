@@ -48,15 +48,13 @@ Say = Callable[[str], None]
 
 def from_run(run: str, with_optimizer: bool) -> str:
     """The last checkpoint a run folder recorded (``checkpoints.jsonl``): its sampler path, or
-    its state path with ``with_optimizer``. ``run`` is a folder or a run name under
-    ``$RLCLI_HOME/runs``."""
-    from rlcli.home import rlcli_home
+    its state path with ``with_optimizer``. ``run`` is any id ``rlcli runs`` takes (a run's
+    name, a unique prefix of one, a run folder's path, a ``--log-path`` folder in the index)."""
+    from rlcli import runs
 
-    folder = Path(run).expanduser()
-    if not folder.is_dir():
-        folder = rlcli_home() / "runs" / run
-    if not folder.is_dir():
-        raise RlcliError(f"{run}: no such run folder (nor under {rlcli_home() / 'runs'})")
+    folder = Path(run).expanduser()  # any folder with a checkpoints.jsonl (the cookbook's too)
+    if not folder.is_dir() or "/" not in run:
+        folder = runs.resolve(run)
     rows = []
     ledger = folder / "checkpoints.jsonl"
     if ledger.is_file():
