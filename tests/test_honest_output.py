@@ -112,3 +112,115 @@ def test_export_takes_every_run_id_runs_takes(tmp_path, monkeypatch):
         ), given
     with pytest.raises(RlcliError, match="no run 'nope'"):
         export.from_run("nope", with_optimizer=False)
+
+
+# ---- item 8: the small ones ----------------------------------------------------------------
+
+
+def test_dataset_dash_at_a_terminal_and_an_empty_file_say_so(tmp_path, tiny_model):
+    import os
+
+    from rlcli.recipes import opsd, sl
+
+    main, replica = os.openpty()  # a real terminal on stdin: nothing is piped in
+    try:
+        with open(replica) as terminal:
+            for module, options in ((sl, sl.SLOptions), (opsd, opsd.OpsdOptions)):
+                opts = options(model=str(tiny_model), dataset="-")
+                with pytest.raises(RlcliError) as e:
+                    module.prepare(opts, stdin=terminal)
+                assert str(e.value).startswith("--dataset -: stdin is a terminal"), e.value
+                assert "--dataset - < FILE.jsonl" in str(e.value)
+    finally:
+        os.close(main)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    result = invoke("train", "sl", "--dataset", str(empty), "--model", str(tiny_model))
+    assert str(result.exception) == f"{empty}: the file is empty (no chat data to read)"
+    result = invoke("train", "sl", "--dataset", "-", "--model", str(tiny_model), input="")
+    assert str(result.exception) == "stdin: nothing came in on stdin (no chat data to read)"
+
+
+def test_eval_tasks_beyond_the_environment_are_refused_or_capped_with_a_line(tmp_path):
+    from conftest import GSM8K
+    from rlcli import evaluate
+
+    dead = "http://127.0.0.1:9"
+    big = evaluate.EvalOptions(env="arithmetic", tasks=10**7, model="m", base_url=dead)
+    with pytest.raises(RlcliError, match=r"--tasks 10000000: at most 10000 for a generated"):
+        evaluate.evaluate(big)
+    said = []
+    capped = evaluate.EvalOptions(
+        env="gsm8k", gsm8k_dir=str(GSM8K), tasks=10**6, model="m", base_url=dead
+    )
+    with pytest.raises(RlcliError, match="no Tinker server answered"):
+        evaluate.evaluate(capped, info=said.append)
+    rows = sum(1 for line in (GSM8K / "test.jsonl").open() if line.strip())
+    assert said == [f"--tasks 1000000: gsm8k has {rows} test tasks; scoring all of them"]
+
+
+def test_eval_plain_progress_speaks_every_few_seconds(capsys):
+    import time
+
+    from rlcli.cli.evaluate import Progress
+
+    progress = Progress()
+    progress.tty, progress.EVERY_S = False, 0.05
+    progress("base", 0, 1000)
+    for done in (1, 2, 3):  # far below a tenth of the tasks, but time has passed
+        time.sleep(0.06)
+        progress("base", done, 1000)
+    progress("base", 4, 1000)  # no time has passed: quiet
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"scoring base: {n}/1000 tasks" for n in range(4)]
+
+
+def test_serve_status_without_a_server_says_how_to_start_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLCLI_HOME", str(tmp_path))
+    result = CliRunner().invoke(app, ["serve", "status"])
+    assert result.exit_code == 3
+    assert "start one: rlcli serve start --base-model MODEL" in result.output
+
+
+def test_docker_up_stop_stops_the_dockerd_it_started(tmp_path):
+    import contextlib
+    import os
+    import signal
+    import subprocess
+
+    script = Path(__file__).parent.parent / ".ci" / "docker-up.sh"
+    # Stands where its dockerd's pid would be: a process of no parent here (init reaps it).
+    pid = int(subprocess.run(["bash", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"],
+                             capture_output=True, text=True).stdout)  # fmt: skip
+    try:
+        (tmp_path / "dockerd.pid").write_text(f"{pid}\n")
+        env = {"RLCLI_DOCKER_ROOT": str(tmp_path), "PATH": "/usr/bin:/bin"}
+        done = subprocess.run(
+            [str(script), "--stop"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0 and "stopped" in done.stderr, done.stderr
+        again = subprocess.run(
+            [str(script), "--stop"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert again.returncode == 0 and "no dockerd of ours is running" in again.stderr
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_import_example_in_docs_runs_md_works_as_written(tmp_path, monkeypatch):
+    import json
+    import shlex
+
+    docs = Path(__file__).parent.parent / "docs" / "runs.md"
+    line = next(ln for ln in docs.read_text().splitlines() if ln.startswith("rlcli import "))
+    argv = shlex.split(line.split("|")[0])[1:]
+    dump = next(a for a in argv if a.endswith(".jsonl"))  # the example's file, made here
+    messages = json.loads((EXAMPLES / "conversations.jsonl").open().readline())["messages"]
+    record = {"request": {"messages": messages[:-1]}, "response": {"choices": [
+        {"message": messages[-1]}]}}  # fmt: skip
+    (tmp_path / dump).write_text(json.dumps(record) + "\n")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.splitlines()[0])["messages"] == messages

@@ -287,6 +287,11 @@ def put_in_place(staged: Path, out: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     staged.chmod(0o777 & ~umask)  # mkdtemp made it private; DIR gets the usual mode
+    for path in staged.rglob("*"):  # and so do its files (safetensors writes 0600 ones)
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
+        elif path.is_dir():
+            path.chmod(0o777 & ~umask)
     old = None
     if out.is_dir() and any(out.iterdir()):
         check_replaceable(out)  # again: files may have arrived during the download
