@@ -28,12 +28,19 @@ DEFAULT_API_KEY = "tml-dummy"
 
 
 def resolve_renderer(model: str, requested: str | None):
-    """(renderer name, why it was chosen, tokenizer or None).
+    """(renderer name, why it was chosen and whether it matches the model's chat template,
+    tokenizer or None).
 
-    The cookbook's ``model_info`` knows hub names only; for local folders and other models
-    it raises, so fall back on the tokenizer's chat template: ChatML (``<|im_start|>``) ->
+    The candidate: ``--renderer``, else the cookbook's ``model_info`` recommendation (hub
+    names only), else by the tokenizer's chat template: ChatML (``<|im_start|>``) ->
     ``qwen3_instruct`` (no thinking tags), Llama 3 headers -> ``llama3``, else ``role_colon``.
+    Unless it was asked for by name, a candidate that does not reproduce the tokenizer's own
+    chat template token for token (``renderers.compare``) gives way to ``chat_template``, the
+    template itself, so the model is trained on the prompts it will be served with.
     """
+    from rlcli import renderers
+
+    renderers.register()
     tokenizer = None
     try:
         from tinker_cookbook import tokenizer_utils
@@ -42,20 +49,45 @@ def resolve_renderer(model: str, requested: str | None):
     except Exception:  # hub id without network: the recipe will say so if it needs it
         tokenizer = None
     if requested:
-        return requested, "--renderer", tokenizer
+        return requested, "--renderer" + _agreement(requested, tokenizer), tokenizer
     from tinker_cookbook import model_info
 
     try:
-        name = model_info.get_recommended_renderer_name(model)
-        return name, "recommended for the model", tokenizer
+        name, why = model_info.get_recommended_renderer_name(model), "recommended for the model"
     except Exception:
-        pass
-    template = str(getattr(tokenizer, "chat_template", "") or "")
-    if "<|im_start|>" in template:
-        return "qwen3_instruct", "ChatML chat template", tokenizer
-    if "<|start_header_id|>" in template:
-        return "llama3", "Llama 3 chat template", tokenizer
-    return "role_colon", "no known chat template", tokenizer
+        template = str(getattr(tokenizer, "chat_template", "") or "")
+        if "<|im_start|>" in template:
+            name, why = "qwen3_instruct", "ChatML chat template"
+        elif "<|start_header_id|>" in template:
+            name, why = "llama3", "Llama 3 chat template"
+        else:
+            name, why = "role_colon", "no known chat template"
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return name, why + _agreement(name, tokenizer), tokenizer
+    difference = renderers.compare(name, tokenizer)
+    if difference is None:
+        return name, f"{why}; matches the model's chat template exactly", tokenizer
+    if renderers.compare(renderers.NAME, tokenizer) is not None:  # the template cannot either
+        return name, f"{why}; differs from the model's chat template: {difference}", tokenizer
+    return (
+        renderers.NAME,
+        f"the model's own chat template, exactly; {name} differs from it: {difference}",
+        tokenizer,
+    )
+
+
+def _agreement(name: str, tokenizer) -> str:
+    """``; matches ...`` or ``; differs ...`` for a renderer against the tokenizer's template."""
+    from rlcli import renderers
+
+    if tokenizer is None:
+        return "; not compared with the chat template (no tokenizer here)"
+    if not getattr(tokenizer, "chat_template", None):
+        return "; the tokenizer has no chat template to compare with"
+    difference = renderers.compare(name, tokenizer)
+    if difference is None:
+        return "; matches the model's chat template exactly"
+    return f"; differs from the model's chat template: {difference}"
 
 
 # ---- Run hooks: exact SL resume, and progress from inside the recipes ------------------------

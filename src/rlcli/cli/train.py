@@ -51,8 +51,7 @@ def _train(recipe, opts) -> None:
     preflight.check_run_dir(Path(plan.run_dir))
     run_opts = recipe.resolved(opts, plan, url)
     options.check_same_run(Path(plan.run_dir), run_opts, recipe.COMMAND)
-    if not opts.renderer:
-        info(f"renderer: {plan.renderer} ({plan.renderer_source})")
+    info(f"renderer: {plan.renderer} ({plan.renderer_source})")
     if opts.dry_run:
         resolved = options.saved(run_opts)
         if opts.json:
