@@ -7,6 +7,7 @@ how to resume."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -271,4 +272,7 @@ def test_plain_progress_rates_are_sane_and_the_end_is_narrated(tmp_path, server,
     after = lines[lines.index(steps[-1]) + 1 :]
     assert any("saving final checkpoint" in ln for ln in after)
     assert any("evaluating the held-out loss" in ln for ln in after)
-    assert any(ln.startswith("saving checkpoint (step 5)") for ln in lines)
+    # --save-every 4: the checkpoint after 4 steps, named 000004, shown as step 4 (one count)
+    assert any(ln.startswith("saving checkpoint (step 4)") for ln in lines)
+    names = [json.loads(r)["name"] for r in (run_dir / "checkpoints.jsonl").read_text().split()]
+    assert names == ["000004", "final"]
