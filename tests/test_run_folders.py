@@ -121,6 +121,17 @@ def test_a_rerun_drops_the_steps_no_checkpoint_holds(tmp_path):
     )
     runner.drop_unsaved_steps(tmp_path)  # checkpoint 000003 holds steps 0..2
     assert [r["step"] for r in _rows(metrics)] == [0, 1, 2]
+    # sl: the loop position says it (an epoch of 2 batches, then batch 1: 3 steps held)
+    (tmp_path / "rlcli_spec.json").write_text(json.dumps({"plan": {"batches_per_epoch": 2}}))
+    sl_row = {"name": "000002", "epoch": 1, "batch": 1, "state_path": "tinker://r/w/2"}
+    (tmp_path / "checkpoints.jsonl").write_text(json.dumps(sl_row) + "\n")
+    metrics.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
+    runner.drop_unsaved_steps(tmp_path)
+    assert [r["step"] for r in _rows(metrics)] == [0, 1, 2]
+    (tmp_path / "rlcli_spec.json").unlink()
+    (tmp_path / "checkpoints.jsonl").write_text(
+        json.dumps({"name": "000003", "batch": 3, "state_path": "tinker://r/weights/000003"}) + "\n"
+    )
     assert runner._resume_line(tmp_path, "CMD") == "Resume with: CMD"
 
     with (tmp_path / "checkpoints.jsonl").open("a") as f:

@@ -429,11 +429,14 @@ def drop_unsaved_steps(run_dir: Path) -> None:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return
-    last = last_checkpoint(run_dir)
-    name = str((last or {}).get("name", "0"))
+    last = last_checkpoint(run_dir) or {}
+    name = str(last.get("name", "0"))
     if not name.isdigit():  # "final": the run is complete and nothing is trained again
         return
     held = int(name)
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # sl: where it resumes
+        per_epoch = json.loads((Path(run_dir) / SPEC).read_text())["plan"]["batches_per_epoch"]
+        held = int(last["epoch"]) * int(per_epoch) + int(last["batch"])
     rows, _ = read_rows(path, 0)
     kept = [r for r in rows if not isinstance(r.get("step"), int) or r["step"] < held]
     if len(kept) == len(rows):
