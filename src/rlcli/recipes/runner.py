@@ -8,7 +8,10 @@ the run folder; its console output goes to ``console.log`` there. This side:
   end, so after ``HEALTH_FAILURES`` failed checks in a row the recipe is stopped and the
   error names the URL and the resume command;
 - stops the recipe on Ctrl-C, SIGTERM, SIGHUP and a closed output pipe (exit 130 / 143 / 129 /
-  141); the child runs in its own session and dies with this process even on SIGKILL
+  141); Ctrl-C first asks it for a checkpoint at its step boundary, as ``runs cancel`` does,
+  and waits ``CTRL_C_SAVE_S`` for it;
+- says "Resume with" only when a checkpoint exists, and before a run drops the
+  ``metrics.jsonl`` rows of steps its last checkpoint does not hold (they are trained again); the child runs in its own session and dies with this process even on SIGKILL
   (``PR_SET_PDEATHSIG`` in ``child.py``), so no recipe ever runs on as an orphan;
 - holds an ``flock`` on ``<run_dir>/rlcli.lock`` (shared with the child), so a second command on
   the same run folder fails at once, naming the pid; the kernel drops it when both are gone;
