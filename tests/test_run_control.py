@@ -274,5 +274,6 @@ def test_plain_progress_rates_are_sane_and_the_end_is_narrated(tmp_path, server,
     assert any("evaluating the held-out loss" in ln for ln in after)
     # --save-every 4: the checkpoint after 4 steps, named 000004, shown as step 4 (one count)
     assert any(ln.startswith("saving checkpoint (step 4)") for ln in lines)
-    names = [json.loads(r)["name"] for r in (run_dir / "checkpoints.jsonl").read_text().split()]
+    rows = (run_dir / "checkpoints.jsonl").read_text().splitlines()
+    names = [json.loads(r)["name"] for r in rows]
     assert names == ["000004", "final"]

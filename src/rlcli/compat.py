@@ -8,7 +8,9 @@ assumption against the installed packages, so a bump fails loudly in one place.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from pathlib import Path
 
 from tinker.proto import tinker_public_pb2 as public_pb  # noqa: F401  (generated schema)
 
@@ -27,6 +29,23 @@ API_KEY_PREFIX = "tml-"
 DEFAULT_API_KEY = "tml-dummy"
 
 
+_BEFORE_HUB_LOOKUP: list = []  # checks to make before a hub id's tokenizer is looked up
+
+
+@contextlib.contextmanager
+def before_hub_lookup(check):
+    """Within it, ``resolve_renderer`` calls ``check()`` before it looks a hub id's tokenizer
+    up (``train`` asks the server whether it hosts the model: a few ms, where the lookup
+    retries an unreachable hub for a minute). Local checks made before that stay first."""
+    if check is not None:
+        _BEFORE_HUB_LOOKUP.append(check)
+    try:
+        yield
+    finally:
+        if check is not None:
+            _BEFORE_HUB_LOOKUP.remove(check)
+
+
 def resolve_renderer(model: str, requested: str | None):
     """(renderer name, why it was chosen and whether it matches the model's chat template,
     tokenizer or None).
@@ -41,6 +60,9 @@ def resolve_renderer(model: str, requested: str | None):
     from rlcli import renderers
 
     renderers.register()
+    if not Path(model).expanduser().exists():  # a hub id: a lookup that may be slow
+        for check in list(_BEFORE_HUB_LOOKUP):
+            check()
     tokenizer = None
     try:
         from tinker_cookbook import tokenizer_utils

@@ -41,13 +41,16 @@ def _train(recipe, opts) -> None:
     if teacher and not teacher.startswith("tinker://"):  # opsd's --teacher, the same way
         opts.teacher = local_model(teacher, report=info)
     url, source = endpoint.resolve_base_url(opts.base_url)
-    if not opts.dry_run and not Path(opts.model).expanduser().exists():
-        # A hub id: its tokenizer lookup (in prepare) can retry the hub for a minute offline,
-        # so first ask the server whether it hosts the model at all (a few ms).
+
+    def hosted() -> None:  # a few ms, where the hub lookup can retry for a minute offline
         endpoint.check_server(url, model=opts.model, source=source)
         preflight.Server(url).check_model(opts.model)
+
     stdin = sys.stdin if getattr(opts, "dataset", None) == "-" else None
-    plan, data = recipe.prepare(opts, stdin=stdin, dry_run=opts.dry_run)
+    from rlcli import compat
+
+    with compat.before_hub_lookup(None if opts.dry_run else hosted):
+        plan, data = recipe.prepare(opts, stdin=stdin, dry_run=opts.dry_run)
     preflight.check_run_dir(Path(plan.run_dir))
     run_opts = recipe.resolved(opts, plan, url)
     options.check_same_run(Path(plan.run_dir), run_opts, recipe.COMMAND)

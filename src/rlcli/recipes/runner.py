@@ -11,7 +11,8 @@ the run folder; its console output goes to ``console.log`` there. This side:
   141); Ctrl-C first asks it for a checkpoint at its step boundary, as ``runs cancel`` does,
   and waits ``CTRL_C_SAVE_S`` for it;
 - says "Resume with" only when a checkpoint exists, and before a run drops the
-  ``metrics.jsonl`` rows of steps its last checkpoint does not hold (they are trained again); the child runs in its own session and dies with this process even on SIGKILL
+  ``metrics.jsonl`` rows of steps its last checkpoint does not hold (they are trained again);
+- the child runs in its own session and dies with this process even on SIGKILL
   (``PR_SET_PDEATHSIG`` in ``child.py``), so no recipe ever runs on as an orphan;
 - holds an ``flock`` on ``<run_dir>/rlcli.lock`` (shared with the child), so a second command on
   the same run folder fails at once, naming the pid; the kernel drops it when both are gone;
