@@ -272,8 +272,8 @@ def test_plain_progress_rates_are_sane_and_the_end_is_narrated(tmp_path, server,
     after = lines[lines.index(steps[-1]) + 1 :]
     assert any("saving final checkpoint" in ln for ln in after)
     assert any("evaluating the held-out loss" in ln for ln in after)
-    # --save-every 4: the checkpoint after 4 steps, named 000004, shown as step 4 (one count)
+    # --save-every 4: checkpoints after 4 and 8 steps, named so, shown as step 4 (one count)
     assert any(ln.startswith("saving checkpoint (step 4)") for ln in lines)
     rows = (run_dir / "checkpoints.jsonl").read_text().splitlines()
     names = [json.loads(r)["name"] for r in rows]
-    assert names == ["000004", "final"]
+    assert names == ["000004", "000008", "final"]
