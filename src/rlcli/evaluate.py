@@ -19,6 +19,7 @@ images built before any sampling, every container removed at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import statistics
@@ -129,6 +130,9 @@ class Task:
     stop: list
 
 
+_TASKS_DEFAULT = next(f.default for f in dataclasses.fields(EvalOptions) if f.name == "tasks")
+
+
 def task_seed(seed: int, task_id: str) -> int:
     """A sampling seed per task: the same for a task whatever else runs beside it."""
     digest = hashlib.sha256(f"{seed}/{task_id}".encode()).digest()
@@ -161,7 +165,7 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
             f"({opts.env}); scoring more tells no more and takes hours"
         )
     problems = env.problems("test", opts.seed, opts.tasks)
-    if len(problems) < opts.tasks:
+    if len(problems) < opts.tasks != _TASKS_DEFAULT:  # asked for more than there is
         say(f"--tasks {opts.tasks}: {opts.env} has {len(problems)} test tasks; scoring all of them")
     url, source = endpoint.resolve_base_url(opts.base_url)
     target = talk.resolve_target(url, source, opts.model, opts.checkpoint)

@@ -51,10 +51,16 @@ def from_run(run: str, with_optimizer: bool) -> str:
     its state path with ``with_optimizer``. ``run`` is any id ``rlcli runs`` takes (a run's
     name, a unique prefix of one, a run folder's path, a ``--log-path`` folder in the index)."""
     from rlcli import runs
+    from rlcli.home import rlcli_home
 
     folder = Path(run).expanduser()  # any folder with a checkpoints.jsonl (the cookbook's too)
     if not folder.is_dir() or "/" not in run:
-        folder = runs.resolve(run)
+        try:
+            folder = runs.resolve(run)
+        except RlcliError:
+            folder = rlcli_home() / "runs" / run  # a folder there that rlcli did not start
+            if not folder.is_dir():
+                raise
     rows = []
     ledger = folder / "checkpoints.jsonl"
     if ledger.is_file():
