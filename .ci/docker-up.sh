@@ -4,6 +4,10 @@
 # dockerd (own data root and socket) only if not answering, builds the base image only if absent.
 # No image registry is reachable here, so the base image is a debootstrap'd Debian, imported.
 # Prints the DOCKER_HOST to use on its last line.
+#
+# Usage: .ci/docker-up.sh          bring it up (as above)
+#        .ci/docker-up.sh --stop   stop the dockerd this script started (its pid file under
+#                                  $RLCLI_DOCKER_ROOT); images and containers stay on disk
 set -euo pipefail
 ROOT="${RLCLI_DOCKER_ROOT:-/var/lib/rlcli-docker}"
 SOCK="$ROOT/docker.sock"
@@ -11,6 +15,28 @@ export DOCKER_HOST="unix://$SOCK"
 IMAGE="${RLCLI_HARBOR_BASE_IMAGE:-rlcli-harbor-base:bookworm}"
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+
+case "${1:-}" in
+  "") ;;
+  --stop)
+    if [ -O "$ROOT/dockerd.pid" ]; then SUDO=""; fi  # a dockerd of this user's: no sudo
+    PID="$($SUDO cat "$ROOT/dockerd.pid" 2>/dev/null || true)"
+    if [ -z "$PID" ] || ! $SUDO kill -0 "$PID" 2>/dev/null; then
+      echo "docker-up: no dockerd of ours is running (no live pid in $ROOT/dockerd.pid)" >&2
+      exit 0
+    fi
+    echo "docker-up: stopping dockerd (pid $PID)" >&2
+    $SUDO kill -TERM "$PID"
+    for _ in $(seq 1 60); do
+      $SUDO kill -0 "$PID" 2>/dev/null || { echo "docker-up: stopped" >&2; exit 0; }
+      sleep 0.5
+    done
+    echo "docker-up: dockerd (pid $PID) did not stop within 30s; kill -9 $PID if it must go" >&2
+    exit 1
+    ;;
+  -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+  *) echo "docker-up: unknown argument $1 (usage: .ci/docker-up.sh [--stop])" >&2; exit 2 ;;
+esac
 
 if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
   echo "docker-up: installing docker.io and debootstrap" >&2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 
 import httpx
@@ -85,6 +86,10 @@ def test_exported_adapter_and_merged_model_reproduce_the_servers_logprobs(
     assert not any("lora" in name for name, _ in plain.named_parameters())
     np.testing.assert_allclose(_local_logprobs(plain, ids), expected, atol=1e-4)
     assert AutoTokenizer.from_pretrained(str(merged)).encode(PROBE) == ids
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in [*merged.iterdir(), *adapter.iterdir()]:  # the usual permissions, not 0600
+        assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file
 
 
 def test_with_optimizer_keeps_the_optimizer_and_refusals_write_nothing(server, zebra, tmp_path):

@@ -7,6 +7,7 @@ how to resume."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -139,7 +140,9 @@ def test_signals_stop_the_recipe_and_print_the_resume_command(
             proc.kill()
     stderr = err.read_text()
     errors = error_lines(stderr)
-    assert len(errors) == 1 and "stopped the run. Resume with: rlcli train sl" in errors[0]
+    assert len(errors) == 1 and "stopped the run. " in errors[0]
+    # Resume from the last checkpoint, or (none saved yet) the same command starts over
+    assert "Resume with: rlcli train sl" in errors[0] or "starts over" in errors[0]
     assert "Traceback" not in stderr
     assert wait_gone(run_dir, timeout=5) == []
 
@@ -269,4 +272,8 @@ def test_plain_progress_rates_are_sane_and_the_end_is_narrated(tmp_path, server,
     after = lines[lines.index(steps[-1]) + 1 :]
     assert any("saving final checkpoint" in ln for ln in after)
     assert any("evaluating the held-out loss" in ln for ln in after)
-    assert any(ln.startswith("saving checkpoint (step 5)") for ln in lines)
+    # --save-every 4: checkpoints after 4 and 8 steps, named so, shown as step 4 (one count)
+    assert any(ln.startswith("saving checkpoint (step 4)") for ln in lines)
+    rows = (run_dir / "checkpoints.jsonl").read_text().splitlines()
+    names = [json.loads(r)["name"] for r in rows]
+    assert names == ["000004", "000008", "final"]

@@ -74,7 +74,10 @@ def test_import_pipe_into_train_sl_learns_and_checkpoints(
     # stdin data is kept for resume, and no temporary file is left behind
     assert len((run_dir / "dataset.jsonl").read_text().splitlines()) == 128
     assert not list(run_dir.glob(".dataset*"))
-    assert "renderer: qwen3_instruct (ChatML chat template)" in result.stderr
+    assert (
+        "renderer: qwen3_instruct (ChatML chat template; matches the model's chat template "
+        "exactly)" in result.stderr
+    )
     assert "step 12/12" in result.stderr  # 102 train conversations / 16, 2 epochs
 
 

@@ -8,7 +8,9 @@ assumption against the installed packages, so a bump fails loudly in one place.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from pathlib import Path
 
 from tinker.proto import tinker_public_pb2 as public_pb  # noqa: F401  (generated schema)
 
@@ -27,13 +29,40 @@ API_KEY_PREFIX = "tml-"
 DEFAULT_API_KEY = "tml-dummy"
 
 
-def resolve_renderer(model: str, requested: str | None):
-    """(renderer name, why it was chosen, tokenizer or None).
+_BEFORE_HUB_LOOKUP: list = []  # checks to make before a hub id's tokenizer is looked up
 
-    The cookbook's ``model_info`` knows hub names only; for local folders and other models
-    it raises, so fall back on the tokenizer's chat template: ChatML (``<|im_start|>``) ->
+
+@contextlib.contextmanager
+def before_hub_lookup(check):
+    """Within it, ``resolve_renderer`` calls ``check()`` before it looks a hub id's tokenizer
+    up (``train`` asks the server whether it hosts the model: a few ms, where the lookup
+    retries an unreachable hub for a minute). Local checks made before that stay first."""
+    if check is not None:
+        _BEFORE_HUB_LOOKUP.append(check)
+    try:
+        yield
+    finally:
+        if check is not None:
+            _BEFORE_HUB_LOOKUP.remove(check)
+
+
+def resolve_renderer(model: str, requested: str | None):
+    """(renderer name, why it was chosen and whether it matches the model's chat template,
+    tokenizer or None).
+
+    The candidate: ``--renderer``, else the cookbook's ``model_info`` recommendation (hub
+    names only), else by the tokenizer's chat template: ChatML (``<|im_start|>``) ->
     ``qwen3_instruct`` (no thinking tags), Llama 3 headers -> ``llama3``, else ``role_colon``.
+    Unless it was asked for by name, a candidate that does not reproduce the tokenizer's own
+    chat template token for token (``renderers.compare``) gives way to ``chat_template``, the
+    template itself, so the model is trained on the prompts it will be served with.
     """
+    from rlcli import renderers
+
+    renderers.register()
+    if not Path(model).expanduser().exists():  # a hub id: a lookup that may be slow
+        for check in list(_BEFORE_HUB_LOOKUP):
+            check()
     tokenizer = None
     try:
         from tinker_cookbook import tokenizer_utils
@@ -42,20 +71,45 @@ def resolve_renderer(model: str, requested: str | None):
     except Exception:  # hub id without network: the recipe will say so if it needs it
         tokenizer = None
     if requested:
-        return requested, "--renderer", tokenizer
+        return requested, "--renderer" + _agreement(requested, tokenizer), tokenizer
     from tinker_cookbook import model_info
 
     try:
-        name = model_info.get_recommended_renderer_name(model)
-        return name, "recommended for the model", tokenizer
+        name, why = model_info.get_recommended_renderer_name(model), "recommended for the model"
     except Exception:
-        pass
-    template = str(getattr(tokenizer, "chat_template", "") or "")
-    if "<|im_start|>" in template:
-        return "qwen3_instruct", "ChatML chat template", tokenizer
-    if "<|start_header_id|>" in template:
-        return "llama3", "Llama 3 chat template", tokenizer
-    return "role_colon", "no known chat template", tokenizer
+        template = str(getattr(tokenizer, "chat_template", "") or "")
+        if "<|im_start|>" in template:
+            name, why = "qwen3_instruct", "ChatML chat template"
+        elif "<|start_header_id|>" in template:
+            name, why = "llama3", "Llama 3 chat template"
+        else:
+            name, why = "role_colon", "no known chat template"
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return name, why + _agreement(name, tokenizer), tokenizer
+    difference = renderers.compare(name, tokenizer)
+    if difference is None:
+        return name, f"{why}; matches the model's chat template exactly", tokenizer
+    if renderers.compare(renderers.NAME, tokenizer) is not None:  # the template cannot either
+        return name, f"{why}; differs from the model's chat template: {difference}", tokenizer
+    return (
+        renderers.NAME,
+        f"the model's own chat template, exactly; {name} differs from it: {difference}",
+        tokenizer,
+    )
+
+
+def _agreement(name: str, tokenizer) -> str:
+    """``; matches ...`` or ``; differs ...`` for a renderer against the tokenizer's template."""
+    from rlcli import renderers
+
+    if tokenizer is None:
+        return "; not compared with the chat template (no tokenizer here)"
+    if not getattr(tokenizer, "chat_template", None):
+        return "; the tokenizer has no chat template to compare with"
+    difference = renderers.compare(name, tokenizer)
+    if difference is None:
+        return "; matches the model's chat template exactly"
+    return f"; differs from the model's chat template: {difference}"
 
 
 # ---- Run hooks: exact SL resume, and progress from inside the recipes ------------------------
@@ -70,6 +124,9 @@ def resolve_renderer(model: str, requested: str | None):
 # record ``batch = s + 1``, the batch that really comes next. A resume from the last batch of
 # an epoch then starts at ``batch == n_batches``, which the recipe's loop treats as the start
 # of the next epoch. tests/test_resume.py checks the cookbook still behaves this way.
+# The checkpoint is named ``s + 1`` too (and saved on that count's cadence): every checkpoint of
+# every recipe is named by the optimizer steps it holds, the "step N" that progress, ``runs
+# show`` and a cancel print, and a name saved already is not saved (or recorded) twice.
 SL_SAVE_RECORDS_BATCH_BEFORE_ITS_STEP = True
 
 
@@ -119,10 +176,12 @@ def install_run_hooks(report, seed: int = 0) -> None:
     original_maybe_save = manager.maybe_save_async
 
     async def maybe_save_async(self, step, loop_state, *args, **kwargs):
-        if state["sl"] and "batch" in loop_state:
-            loop_state = {**loop_state, "batch": loop_state["batch"] + 1}
+        if state["sl"]:  # SL's step s is saved once it is done: name it s + 1 (steps held)
+            step += 1
+            if "batch" in loop_state:
+                loop_state = {**loop_state, "batch": loop_state["batch"] + 1}
         if self.should_save_periodic(step, elapsed_tokens=kwargs.get("elapsed_tokens", 0)):
-            report("saving checkpoint", step=step)
+            report("saving checkpoint", step=step - 1)
         return await original_maybe_save(self, step, loop_state, *args, **kwargs)
 
     manager.maybe_save_async = maybe_save_async
@@ -130,8 +189,11 @@ def install_run_hooks(report, seed: int = 0) -> None:
     original_save_periodic = manager.save_periodic_async
 
     async def save_periodic_async(self, step, loop_state):
-        if not state["sl"]:  # RL saves through this directly
-            report("saving checkpoint", step=step)
+        saved = _saved_as(self._log_path, f"{step:06d}")
+        if saved is not None:  # a cancel at a step just saved: one row per checkpoint
+            return saved
+        if not state["sl"]:  # RL saves through this directly; its step i holds i steps
+            report("saving checkpoint", step=step - 1)
         return await original_save_periodic(self, step, loop_state)
 
     manager.save_periodic_async = save_periodic_async
@@ -208,6 +270,17 @@ def install_run_hooks(report, seed: int = 0) -> None:
             report("recipe finished")
 
     train_on_policy.main = distillation_main
+
+
+def _saved_as(log_path, name: str) -> dict[str, str] | None:
+    """The paths of the run's last checkpoint if it is already called ``name``, else None."""
+    from tinker_cookbook import checkpoint_utils
+
+    records = checkpoint_utils.load_checkpoints_file(str(log_path))
+    if not records or records[-1].name != name:
+        return None
+    last = records[-1]
+    return {k: last.get(k) for k in ("state_path", "sampler_path") if last.has(k)}
 
 
 # ---- On-policy distillation (train opsd) -----------------------------------------------------
@@ -402,8 +475,9 @@ def install_cancel_hook(cancel_requested, report) -> None:
                 if manager is None:
                     raise
                 step = cancelled.step
-                if sl and seen["sl_state"] and seen["sl_state"][0] == step:
-                    name, loop_state = step, seen["sl_state"][1]
+                # Named by the steps it holds, as every checkpoint (install_run_hooks).
+                if sl and seen["sl_state"] and seen["sl_state"][0] == step + 1:
+                    name, loop_state = step + 1, seen["sl_state"][1]
                 else:
                     name, loop_state = step + 1, {"batch": step + 1}
                 report("cancelling: saving a checkpoint", step=step)

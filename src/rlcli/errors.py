@@ -11,3 +11,8 @@ class RlcliError(Exception):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class Cancelled(RlcliError):
+    """A run stopped as asked (``rlcli runs cancel``): its exit code is not 0, but nothing went
+    wrong, so the CLI prints the message without ``error:``."""

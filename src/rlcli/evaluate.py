@@ -19,6 +19,7 @@ images built before any sampling, every container removed at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import statistics
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass
 from rlcli.errors import RlcliError
 from rlcli.recipes.options import option
 
+MAX_GENERATED_TASKS = 10_000  # a generated environment (arithmetic, niah) has no size of its own
 Report = Callable[[str, int, int], None]  # (policy label, tasks done, tasks in all)
 CONCURRENCY = 64  # sample requests in flight (the server batches across them)
 HARBOR_CONCURRENCY = 8  # episodes at once: each is a container with its own CPUs and memory
@@ -128,6 +130,9 @@ class Task:
     stop: list
 
 
+_TASKS_DEFAULT = next(f.default for f in dataclasses.fields(EvalOptions) if f.name == "tasks")
+
+
 def task_seed(seed: int, task_id: str) -> int:
     """A sampling seed per task: the same for a task whatever else runs beside it."""
     digest = hashlib.sha256(f"{seed}/{task_id}".encode()).digest()
@@ -154,7 +159,14 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
     env = envs.get(opts.env, gsm8k_dir=opts.gsm8k_dir, harbor=True, task_filter=opts.task_filter)
     if opts.task_filter and not env.multi_turn:
         raise RlcliError(f"--task-filter: only for Harbor tasks, not --env {opts.env}")
+    if env.generated and opts.tasks > MAX_GENERATED_TASKS:
+        raise RlcliError(
+            f"--tasks {opts.tasks}: at most {MAX_GENERATED_TASKS} for a generated environment "
+            f"({opts.env}); scoring more tells no more and takes hours"
+        )
     problems = env.problems("test", opts.seed, opts.tasks)
+    if len(problems) < opts.tasks != _TASKS_DEFAULT:  # asked for more than there is
+        say(f"--tasks {opts.tasks}: {opts.env} has {len(problems)} test tasks; scoring all of them")
     url, source = endpoint.resolve_base_url(opts.base_url)
     target = talk.resolve_target(url, source, opts.model, opts.checkpoint)
     context = _check_max_tokens(url, opts.max_new_tokens)

@@ -48,15 +48,19 @@ Say = Callable[[str], None]
 
 def from_run(run: str, with_optimizer: bool) -> str:
     """The last checkpoint a run folder recorded (``checkpoints.jsonl``): its sampler path, or
-    its state path with ``with_optimizer``. ``run`` is a folder or a run name under
-    ``$RLCLI_HOME/runs``."""
+    its state path with ``with_optimizer``. ``run`` is any id ``rlcli runs`` takes (a run's
+    name, a unique prefix of one, a run folder's path, a ``--log-path`` folder in the index)."""
+    from rlcli import runs
     from rlcli.home import rlcli_home
 
-    folder = Path(run).expanduser()
-    if not folder.is_dir():
-        folder = rlcli_home() / "runs" / run
-    if not folder.is_dir():
-        raise RlcliError(f"{run}: no such run folder (nor under {rlcli_home() / 'runs'})")
+    folder = Path(run).expanduser()  # any folder with a checkpoints.jsonl (the cookbook's too)
+    if not folder.is_dir() or "/" not in run:
+        try:
+            folder = runs.resolve(run)
+        except RlcliError:
+            folder = rlcli_home() / "runs" / run  # a folder there that rlcli did not start
+            if not folder.is_dir():
+                raise
     rows = []
     ledger = folder / "checkpoints.jsonl"
     if ledger.is_file():
@@ -289,6 +293,11 @@ def put_in_place(staged: Path, out: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     staged.chmod(0o777 & ~umask)  # mkdtemp made it private; DIR gets the usual mode
+    for path in staged.rglob("*"):  # and so do its files (safetensors writes 0600 ones)
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
+        elif path.is_dir():
+            path.chmod(0o777 & ~umask)
     old = None
     if out.is_dir() and any(out.iterdir()):
         check_replaceable(out)  # again: files may have arrived during the download

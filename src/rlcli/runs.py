@@ -325,7 +325,8 @@ def cancel(run_dir: Path, wait: float = 120.0, force: bool = False, report=None)
         "status": after["status"],
         "steps_done": after["steps_done"],
         "total_steps": after["total_steps"],
-        "checkpoint": last if (last and last.get("cancelled")) else None,
+        # the cancel's own checkpoint, or the one saved at that very step (not saved twice)
+        "checkpoint": last if (last and not force) else None,
     }
 
 

@@ -8,29 +8,54 @@ from typing import Any
 
 
 def emit(data: Any, *, as_json: bool, title: str | None = None) -> None:
+    """``data`` as JSON, or for people: a mapping as key/value lines, a list of mappings as a
+    table. No value is ever cut: a table wider than the terminal (80 columns when piped) is
+    printed as plain aligned text instead, whose long lines the terminal wraps whole, so a
+    checkpoint path can always be copied."""
     if as_json:
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
         return
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     if isinstance(data, dict):
-        table = Table(title=title, show_header=False, box=None, pad_edge=False)
-        table.add_column(style="bold")
-        table.add_column()
-        for key, value in data.items():
-            table.add_row(str(key), "" if value is None else str(value))
-        console.print(table)
+        rows = [[str(k), "" if v is None else str(v)] for k, v in data.items()]
+        _table(console, None, rows, title, boxed=False)
     elif isinstance(data, list) and data and isinstance(data[0], dict):
-        table = Table(title=title)
-        for key in data[0]:
-            table.add_column(str(key))
-        for row in data:
-            table.add_row(*("" if v is None else str(v) for v in row.values()))
-        console.print(table)
+        header = [str(k) for k in data[0]]
+        rows = [["" if v is None else str(v) for v in row.values()] for row in data]
+        _table(console, header, rows, title, boxed=True)
     else:
         console.print(data)
+
+
+def _table(console, header: list[str] | None, rows: list[list[str]], title, boxed: bool):
+    """A Rich table when it fits the console, else the same cells as plain aligned text."""
+    cells = [header, *rows] if header else rows
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    # Rich pads each cell by one space on either side, plus one rule per column when boxed.
+    natural = sum(widths) + len(widths) * (3 if boxed else 2) + (1 if boxed else -2)
+    if natural <= console.width:
+        from rich.table import Table
+
+        if boxed:
+            table = Table(title=title)
+            for name in header or []:
+                table.add_column(name)
+        else:
+            table = Table(title=title, show_header=False, box=None, pad_edge=False)
+            table.add_column(style="bold")
+            table.add_column()
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        return
+    lines = [title] if title else []
+    for i, row in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if header and i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    sys.stdout.write("\n".join(lines) + "\n")
 
 
 def info(message: str) -> None:

@@ -62,13 +62,17 @@ def table(result: dict) -> None:
 
 
 class Progress:
-    """Tasks done per policy: a Rich bar on a terminal, else a line every tenth of the tasks."""
+    """Tasks done per policy: a Rich bar on a terminal, else a line every tenth of the tasks
+    or every ``EVERY_S`` seconds, whichever comes first (a long evaluation never goes quiet)."""
+
+    EVERY_S = 5.0
 
     def __init__(self) -> None:
         self.bar = None
         self.tty = sys.stderr.isatty()
         self.ids: dict[str, int] = {}
         self.shown: dict[str, int] = {}
+        self.shown_at: dict[str, float] = {}
 
     def _start(self) -> None:
         """The bar starts with the first task (after the lines about the server and renderer)."""
@@ -93,9 +97,13 @@ class Progress:
                 self.ids[label] = self.bar.add_task(f"scoring {label}", total=total)
             self.bar.update(self.ids[label], completed=done)
             return
-        step = max(1, total // 10)
-        if done in (0, total) or done // step > self.shown.get(label, 0) // step:
-            self.shown[label] = done
+        import time
+
+        step, now = max(1, total // 10), time.monotonic()
+        before = self.shown.get(label, 0)
+        due = now - self.shown_at.get(label, now) >= self.EVERY_S and done > before
+        if done in (0, total) or done // step > before // step or due:
+            self.shown[label], self.shown_at[label] = done, now
             info(f"scoring {label}: {done}/{total} tasks")
 
     def close(self) -> None:

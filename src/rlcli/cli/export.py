@@ -20,7 +20,8 @@ def export(
     run: str = typer.Argument(
         None,
         metavar="RUN",
-        help="A run folder (or its name under $RLCLI_HOME/runs): its last checkpoint.",
+        help="A run, as `rlcli runs` takes it (its id, a unique prefix, or its folder): its "
+        "last checkpoint.",
     ),
     checkpoint: str = typer.Option(
         None, "--checkpoint", "-c", help="tinker://RUN/(weights|sampler_weights)/NAME."

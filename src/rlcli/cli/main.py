@@ -95,12 +95,12 @@ def _quiet_exit(code: int) -> None:
 
 
 def main() -> None:
-    from rlcli.errors import RlcliError
+    from rlcli.errors import Cancelled, RlcliError
 
     try:
         app()
     except RlcliError as e:
-        _say(f"error: {e}\n")
+        _say(f"{e}\n" if isinstance(e, Cancelled) else f"error: {e}\n")
         if e.exit_code == 141:
             _quiet_exit(141)
         sys.exit(e.exit_code)

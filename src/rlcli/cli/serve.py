@@ -275,6 +275,11 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print as JSON."))
             if error:
                 result["last_error"] = error
         emit(result, as_json=as_json)
+        if not as_json:
+            info(
+                "no server is running here; start one: rlcli serve start --base-model MODEL "
+                "(a hub id, a model folder or a .gguf file)"
+            )
         raise typer.Exit(3)  # like `systemctl status`: 3 means not running
     healthy, detail = process.health(record.base_url)
     result = {

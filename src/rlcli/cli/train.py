@@ -40,13 +40,21 @@ def _train(recipe, opts) -> None:
     teacher = getattr(opts, "teacher", None)
     if teacher and not teacher.startswith("tinker://"):  # opsd's --teacher, the same way
         opts.teacher = local_model(teacher, report=info)
-    stdin = sys.stdin if getattr(opts, "dataset", None) == "-" else None
-    plan, data = recipe.prepare(opts, stdin=stdin, dry_run=opts.dry_run)
-    preflight.check_run_dir(Path(plan.run_dir))
     url, source = endpoint.resolve_base_url(opts.base_url)
+
+    def hosted() -> None:  # a few ms, where the hub lookup can retry for a minute offline
+        endpoint.check_server(url, model=opts.model, source=source)
+        preflight.Server(url).check_model(opts.model)
+
+    stdin = sys.stdin if getattr(opts, "dataset", None) == "-" else None
+    from rlcli import compat
+
+    with compat.before_hub_lookup(None if opts.dry_run else hosted):
+        plan, data = recipe.prepare(opts, stdin=stdin, dry_run=opts.dry_run)
+    preflight.check_run_dir(Path(plan.run_dir))
     run_opts = recipe.resolved(opts, plan, url)
-    if not opts.renderer:
-        info(f"renderer: {plan.renderer} ({plan.renderer_source})")
+    options.check_same_run(Path(plan.run_dir), run_opts, recipe.COMMAND)
+    info(f"renderer: {plan.renderer} ({plan.renderer_source})")
     if opts.dry_run:
         resolved = options.saved(run_opts)
         if opts.json:

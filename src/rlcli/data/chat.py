@@ -110,8 +110,20 @@ def read_jsonl(
     if errors:
         raise DataError(source, errors, total, what)
     if not values:
-        raise DataError(source, [LineError(0, f"no {what} (the input is empty)")], 0, what)
+        empty = "nothing came in on stdin" if source == "stdin" else "the file is empty"
+        raise RlcliError(f"{source}: {empty} (no {what} to read)")
     return values
+
+
+def stdin_text(stdin, flag: str) -> str:
+    """What was piped into ``flag -``; a terminal (nothing piped) is one line saying how."""
+    if stdin is None or stdin.isatty():
+        raise RlcliError(
+            f"{flag} -: stdin is a terminal, nothing was piped in; pipe a file "
+            f"in (`{flag} - < FILE.jsonl`, or `rlcli import FILE -f openai | ...`) or pass "
+            f"{flag} FILE.jsonl"
+        )
+    return stdin.read()
 
 
 def _conversation(row) -> tuple[dict | None, str | None]:

@@ -41,13 +41,38 @@ def load_rows(folder: Path | None, split: str) -> list[dict]:
     if folder is not None:
         with (folder / f"{split}.jsonl").open() as f:
             return [json.loads(line) for line in f if line.strip()]
+    hint = (
+        f"offline, pass --gsm8k-dir FOLDER (or set ${ENV_VAR}) with train.jsonl and test.jsonl, "
+        "or set HF_DATASETS_OFFLINE=1 to use a copy in the Hugging Face cache"
+    )
+    unreachable = _hub_unreachable()
+    if unreachable:
+        raise RlcliError(f"GSM8K: the Hugging Face hub is unreachable ({unreachable}); {hint}")
     try:
         from datasets import load_dataset
 
         ds = load_dataset(HUB_ID, name="main", split=split)
     except Exception as e:
         raise RlcliError(
-            f"GSM8K: could not load {HUB_ID} from the hub ({type(e).__name__}); offline, pass "
-            f"--gsm8k-dir FOLDER (or set ${ENV_VAR}) with train.jsonl and test.jsonl"
+            f"GSM8K: could not load {HUB_ID} from the hub ({type(e).__name__}); {hint}"
         ) from None
     return [{"question": r["question"], "answer": r["answer"]} for r in ds]
+
+
+def _hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub cannot be reached (one quick request), or None. ``datasets`` retries an
+    unreachable hub for half a minute before it gives up; asked offline (``HF_HUB_OFFLINE`` /
+    ``HF_DATASETS_OFFLINE``) it reads its cache, so nothing is asked then."""
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in _OFFLINE_VARS):
+        return None
+    import httpx
+
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    try:
+        httpx.head(f"{endpoint.rstrip('/')}/api/datasets/{HUB_ID}", timeout=timeout)
+    except httpx.HTTPError as e:
+        return f"{endpoint}: {type(e).__name__}"
+    return None
+
+
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")

@@ -105,6 +105,9 @@ def _run(folder: Path) -> int:
             return  # no summary follows a cancel
         status(after if phase == "recipe finished" else phase, **fields)
 
+    from rlcli import renderers
+
+    renderers.register()  # the model's own chat template, if the plan chose it
     compat.install_cancel_hook(cancel_requested(folder), report)  # first: see run hooks
     compat.install_run_hooks(report, seed=int((spec.get("options") or {}).get("seed") or 0))
     compat.release_adapters_at_exit()  # SkyRL holds a LoRA slot per client until its timeout

@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rlcli.data.chat import stdin_text
 from rlcli.data.prompts import read_prompts
 from rlcli.errors import RlcliError
 from rlcli.recipes.options import (
@@ -93,7 +94,10 @@ def load_prompts(opts: OpsdOptions, run_dir: Path, stdin) -> tuple[list[dict], P
     by ``commit``, once every check passed; a resumed run with nothing on stdin reuses it)."""
     kept = run_dir / DATASET_FILE
     if opts.dataset == "-":
-        text = "" if stdin is None or stdin.isatty() else stdin.read()
+        if kept.exists() and (stdin is None or stdin.isatty()):  # a resume: the kept copy
+            text = ""
+        else:
+            text = stdin_text(stdin, "--dataset")
         if not text.strip() and kept.exists():
             return read_prompts(kept.open(), str(kept)), kept
         return read_prompts(text.splitlines(), "stdin"), kept

@@ -398,6 +398,72 @@ def write_config(run_dir: Path, opts, command: str) -> Path:
     return path
 
 
+# Settings a resume may change: where the server is, how far to go, how often to save, where
+# to log. Any other difference would train a different run into the same folder.
+RESUMABLE = ("base_url", "max_steps", "save_every", "wandb_project", "wandb_name")
+
+
+def folder_command(run_dir: Path) -> tuple[str, dict[str, Any]] | None:
+    """The command a run folder was started with and its settings (``config.yaml``, else an
+    older folder's ``rlcli_spec.json``); None for a folder no train command has used."""
+    import yaml
+
+    path = Path(run_dir) / CONFIG_FILE
+    try:
+        text = path.read_text()
+    except OSError:
+        text = None
+    if text is not None:
+        first = text.split("\n", 1)[0]
+        command = first.removeprefix("# ").split(":", 1)[0].strip()
+        try:
+            settings = yaml.safe_load(text)
+        except yaml.YAMLError:
+            settings = None
+        if command.startswith("rlcli train ") and isinstance(settings, dict):
+            return command, settings
+    try:
+        spec = json.loads((Path(run_dir) / "rlcli_spec.json").read_text())
+        return f"rlcli train {spec['recipe']}", dict(spec["options"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_same_run(run_dir: Path, opts, command: str) -> None:
+    """A run folder belongs to the command that started it, with its settings (but those in
+    ``RESUMABLE``): anything else is one line naming both, before the folder is touched."""
+    found = folder_command(run_dir)
+    if found is None:
+        return
+    theirs, settings = found
+    if theirs != command:
+        raise RlcliError(
+            f"--log-path {run_dir}: a `{theirs}` run; `{command}` cannot train into it "
+            "(choose another --log-path)"
+        )
+    ours = {k: v for k, v in saved(opts).items() if k != "log_path"}
+    for key, value in settings.items():
+        if key in RESUMABLE or key == "log_path":
+            continue
+        if key not in ours:
+            mine = "not an option of this command"
+        elif _same_value(ours[key], value):
+            continue
+        else:
+            mine = json.dumps(ours[key])
+        raise RlcliError(
+            f"--log-path {run_dir}: that run has {flag(key)} {json.dumps(value)}, this command "
+            f"{mine}; resume with {resume_command(command, str(run_dir))}, or choose another "
+            "--log-path"
+        )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b
+
+
 def resume_command(command: str, run_dir: str) -> str:
     """Continue the run in ``run_dir`` with exactly its settings (its ``config.yaml``)."""
     import shlex

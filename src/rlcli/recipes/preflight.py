@@ -59,6 +59,9 @@ def renderer_names() -> tuple[str, ...]:
     branches and whatever was registered (tests/test_options.py guards the parse)."""
     from tinker_cookbook import renderers
 
+    from rlcli.renderers import register
+
+    register()  # rlcli's chat_template
     source = inspect.getsource(renderers.get_renderer)
     built_in = re.findall(r'\bname == "([\w.]+)"', source)
     return tuple(dict.fromkeys([*built_in, *renderers.get_registered_renderer_names()]))

@@ -8,7 +8,11 @@ the run folder; its console output goes to ``console.log`` there. This side:
   end, so after ``HEALTH_FAILURES`` failed checks in a row the recipe is stopped and the
   error names the URL and the resume command;
 - stops the recipe on Ctrl-C, SIGTERM, SIGHUP and a closed output pipe (exit 130 / 143 / 129 /
-  141); the child runs in its own session and dies with this process even on SIGKILL
+  141); Ctrl-C first asks it for a checkpoint at its step boundary, as ``runs cancel`` does,
+  and waits ``CTRL_C_SAVE_S`` for it;
+- says "Resume with" only when a checkpoint exists, and before a run drops the
+  ``metrics.jsonl`` rows of steps its last checkpoint does not hold (they are trained again);
+- the child runs in its own session and dies with this process even on SIGKILL
   (``PR_SET_PDEATHSIG`` in ``child.py``), so no recipe ever runs on as an orphan;
 - holds an ``flock`` on ``<run_dir>/rlcli.lock`` (shared with the child), so a second command on
   the same run folder fails at once, naming the pid; the kernel drops it when both are gone;
@@ -39,7 +43,7 @@ from pathlib import Path
 
 import httpx
 
-from rlcli.errors import RlcliError
+from rlcli.errors import Cancelled, RlcliError
 from rlcli.recipes.progress import STATUS, Follower, StepLine, read_rows
 
 __all__ = ["StepLine", "run_recipe", "lock_run_dir", "write_spec"]
@@ -213,6 +217,7 @@ def run_recipe(
         with contextlib.suppress(KeyError, TypeError, AttributeError):
             base_url = spec["options"]["base_url"]
     record = start_record(run_dir, spec, total_steps, base_url)
+    drop_unsaved_steps(run_dir)
     (run_dir / SUMMARY).unlink(missing_ok=True)
     (run_dir / STATUS).unlink(missing_ok=True)
     env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
@@ -256,6 +261,7 @@ def run_recipe(
             time.sleep(0.25)
     except KeyboardInterrupt:
         stop_reason = (SIGNAL_WHAT[signal.SIGINT], SIGNAL_EXIT[signal.SIGINT])
+        _save_before_stopping(run_dir, child, follower, report)
     except _Stop as e:
         stop_reason = (SIGNAL_WHAT[e.signum], SIGNAL_EXIT[e.signum])
     except BrokenPipeError:
@@ -284,18 +290,20 @@ def run_recipe(
 def _outcome(run_dir, record, child, stop_reason, watch, base_url, resume_hint) -> dict:
     """The summary of a finished run, else the ``RlcliError`` saying how it ended; either way
     the run's record says it first."""
+    resume = _resume_line(run_dir, resume_hint)
+    saved = child is not None and child.returncode == CANCELLED_EXIT
     if stop_reason is not None:
         what, code = stop_reason
         status = "failed" if code == 1 else "interrupted"
+        if saved:  # Ctrl-C, and the recipe saved a checkpoint at its step boundary
+            what = f"{what} after step {_steps_done(run_dir)}; {_final_checkpoint(run_dir)}"
         end_record(run_dir, record, status, code, what)
-        raise RlcliError(f"{what}; stopped the run. Resume with: {resume_hint}", exit_code=code)
-    if child.returncode == CANCELLED_EXIT:
-        last = last_checkpoint(run_dir) or {}
-        where = ", ".join(f"{k} {last[k]}" for k in ("state_path", "sampler_path") if k in last)
+        raise RlcliError(f"{what}; stopped the run. {resume}", exit_code=code)
+    if saved:
         end_record(run_dir, record, "cancelled", CANCELLED_EXIT, None)
-        raise RlcliError(
+        raise Cancelled(
             f"cancelled (rlcli runs cancel) after step {_steps_done(run_dir)}; "
-            f"final checkpoint: {where or 'none'}. Resume with: {resume_hint}",
+            f"{_final_checkpoint(run_dir)}. {resume}",
             exit_code=CANCELLED_EXIT,
         )
     if child.returncode != 0:
@@ -303,7 +311,7 @@ def _outcome(run_dir, record, child, stop_reason, watch, base_url, resume_hint) 
         if gone:
             what = f"the server at {base_url} {gone}"
             end_record(run_dir, record, "failed", 1, what)
-            raise RlcliError(f"{what}; the run failed. Resume with: {resume_hint}")
+            raise RlcliError(f"{what}; the run failed. {resume}")
         failure = _failure(run_dir, child.returncode)
         end_record(run_dir, record, "failed", 1, failure.splitlines()[0])
         raise RlcliError(failure)
@@ -398,8 +406,76 @@ def register_run(run_dir: Path) -> None:
 
 
 def last_checkpoint(run_dir: Path) -> dict | None:
+    """The run's last checkpoint a resume can start from (one with a state)."""
     rows, _ = read_rows(Path(run_dir) / "checkpoints.jsonl", 0)
+    rows = [r for r in rows if r.get("state_path")]
     return rows[-1] if rows else None
+
+
+def _final_checkpoint(run_dir: Path) -> str:
+    last = last_checkpoint(run_dir) or {}
+    where = ", ".join(f"{k} {last[k]}" for k in ("state_path", "sampler_path") if k in last)
+    return f"final checkpoint: {where or 'none'}"
+
+
+def _resume_line(run_dir: Path, resume_hint: str) -> str:
+    """How to go on: resume from the last checkpoint, or, with none saved, start over."""
+    if last_checkpoint(run_dir) is not None:
+        return f"Resume with: {resume_hint}"
+    return f"No checkpoint was saved yet: running it again starts over ({resume_hint})"
+
+
+def drop_unsaved_steps(run_dir: Path) -> None:
+    """Before the recipe starts: drop the ``metrics.jsonl`` rows of steps no checkpoint holds
+    (an earlier attempt's steps past its last save), since the recipe trains them again and
+    appends their rows anew. Checkpoints are named by the steps they hold (``compat``); with
+    none, the run starts over and every row goes. A finished run keeps its rows."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    last = last_checkpoint(run_dir) or {}
+    name = str(last.get("name", "0"))
+    if not name.isdigit():  # "final": the run is complete and nothing is trained again
+        return
+    held = int(name)
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # sl: where it resumes
+        per_epoch = json.loads((Path(run_dir) / SPEC).read_text())["plan"]["batches_per_epoch"]
+        held = int(last["epoch"]) * int(per_epoch) + int(last["batch"])
+    rows, _ = read_rows(path, 0)
+    kept = [r for r in rows if not isinstance(r.get("step"), int) or r["step"] < held]
+    if len(kept) == len(rows):
+        return
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".metrics.")
+    with os.fdopen(fd, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
+
+
+CTRL_C_SAVE_S = float(os.environ.get("RLCLI_CTRL_C_SAVE_S") or 10.0)
+
+
+def _save_before_stopping(run_dir: Path, child, follower, report) -> None:
+    """Ctrl-C: ask the recipe to save a checkpoint at its next step boundary, as ``runs
+    cancel`` does, and give it ``CTRL_C_SAVE_S`` seconds; a second Ctrl-C stops it at once."""
+    if child is None or child.poll() is not None:
+        return
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".rlcli_cancel.")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"pid": os.getpid(), "time": time.time()}, f)
+    os.replace(tmp, run_dir / CANCEL)
+    with contextlib.suppress(BrokenPipeError, OSError):
+        report(
+            f"Ctrl-C: saving a checkpoint at the end of this step (up to {CTRL_C_SAVE_S:g}s; "
+            "Ctrl-C again stops now)"
+        )
+    deadline = time.monotonic() + CTRL_C_SAVE_S
+    try:
+        while child.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                follower.poll()
+            time.sleep(0.1)
+    except (KeyboardInterrupt, _Stop):
+        return
 
 
 def _steps_done(run_dir: Path) -> int:

@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rlcli.data.chat import read_conversations
+from rlcli.data.chat import read_conversations, stdin_text
 from rlcli.errors import RlcliError
 from rlcli.recipes.options import TrainOptions, option, resume_command, retune, saved
 from rlcli.recipes.runner import default_run_dir, metric_values
@@ -67,7 +67,10 @@ def load_dataset(opts: SLOptions, run_dir: Path, stdin) -> tuple[list[dict], Pat
     """
     kept = run_dir / DATASET_FILE
     if opts.dataset == "-":
-        text = "" if stdin is None or stdin.isatty() else stdin.read()
+        if kept.exists() and (stdin is None or stdin.isatty()):  # a resume: the kept copy
+            text = ""
+        else:
+            text = stdin_text(stdin, "--dataset")
         if not text.strip() and kept.exists():
             return read_conversations(kept.open(), str(kept)), kept
         return read_conversations(text.splitlines(), "stdin"), kept
