@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _receipt  # noqa: E402
@@ -95,8 +97,10 @@ def one_run(args, model: Path, dtype: str, seed: int, evaluation: list[str], bas
                 "--temperature", str(args.temperature), "--lr", str(args.lr),
                 "--lora-rank", str(args.lora_rank), "--max-steps", str(args.steps),
                 "--seed", str(seed), "--save-every", "0", "--log-path", str(run_dir),
+                *(["--renderer", args.renderer] if args.renderer else []),
                 base_url=url,
             )  # fmt: skip
+            renderer = yaml.safe_load((run_dir / "config.yaml").read_text()).get("renderer")
             train_s = time.perf_counter() - t0
             checkpoint = sampler_path(train.stdout, run_dir)
             t0 = time.perf_counter()
@@ -108,6 +112,7 @@ def one_run(args, model: Path, dtype: str, seed: int, evaluation: list[str], bas
     return {
         "dtype": dtype,
         "seed": seed,
+        "renderer": renderer,
         "accuracy_before": base["pass_rate"],
         "accuracy_after": after["pass_rate"],
         "gain_points": 100 * (after["pass_rate"] - base["pass_rate"]),
@@ -163,6 +168,10 @@ def main() -> None:
     parser.add_argument("--eval-tasks", type=int, default=200)
     parser.add_argument("--eval-seed", type=int, default=1234)
     parser.add_argument(
+        "--renderer", default=None,
+        help="chat renderer for train and eval (default: rlcli's choice for the model, recorded)",
+    )  # fmt: skip
+    parser.add_argument(
         "--dtype", nargs="+", default=["float32", "bfloat16"],
         choices=["float32", "bfloat16", "auto"], help="server --dtype, one table each",
     )  # fmt: skip
@@ -184,6 +193,8 @@ def main() -> None:
         "--seed", str(args.eval_seed), "--max-new-tokens", str(args.max_tokens),
         "--temperature", "0",
     ]  # fmt: skip
+    if args.renderer:
+        evaluation += ["--renderer", args.renderer]
     seeds = seed_list(args.seeds)
     base: dict[str, dict] = {}
     runs: list[dict] = []
