@@ -98,8 +98,10 @@ def create_app(settings: Settings) -> FastAPI:
     async def bad_body(request: Request, exc: RequestValidationError):
         if _openai(request.url.path):
             errors = exc.errors()
-            loc = [str(p) for p in (errors[0].get("loc", ()) if errors else ()) if p != "body"]
-            return _openai_error(request, 400, first_error(errors), ".".join(loc) or None)
+            first = errors[0] if errors else {}
+            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+            param = None if first.get("type") == "json_invalid" else ".".join(loc) or None
+            return _openai_error(request, 400, first_error(errors), param)
         return JSONResponse({"detail": first_error(exc.errors())}, 422)
 
     @app.exception_handler(StarletteHTTPException)

@@ -186,6 +186,12 @@ def _job(
             name,
             code="context_length_exceeded",
         )
+    stop_tokens = list(body.stop_token_ids or [])
+    if stop_tokens:
+        try:
+            check_token_ids(np.asarray(stop_tokens), info["vocab_size"], "stop_token_ids")
+        except RequestError as e:
+            raise OpenAIError(str(e), "stop_token_ids") from None
     seed = None if body.seed is None else body.seed % 2**64
     return SampleJob(
         prompt=ids,
@@ -195,6 +201,7 @@ def _job(
         top_p=body.top_p,
         seed=seed,
         stop_strings=body.stops,
+        stop_tokens=stop_tokens,
         topk_sample_logprobs=top,
         stream=body.stream,
     )
@@ -249,9 +256,8 @@ async def _answer(state: ServerState, ref: SamplerRef, text: ChatTokenizer, plan
         if job.stream:
             state.futures.listen(request_id, events)
         request_ids.append(request_id)
-    choices = [
-        TextStream(text.decode, plan.stops, text.eos_ids) for _ in range(len(plan.jobs) * plan.n)
-    ]
+    ends = text.eos_ids | frozenset(plan.jobs[0].stop_tokens)  # tokens that end, not text
+    choices = [TextStream(text.decode, plan.stops, ends) for _ in range(len(plan.jobs) * plan.n)]
     if plan.jobs[0].stream:
         answer = _Answer(plan, text, choices, request_ids)
         return _Stream(answer.events(events), on_close=lambda: answer.close(state))
