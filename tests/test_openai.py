@@ -262,3 +262,25 @@ def test_bad_input_is_a_400_in_openai_shape_and_nothing_else_changes(client, ser
             model=str(tiny_model), messages=HELLO, tools=[{"type": "function",
             "function": {"name": "f", "parameters": {}}}],
         )  # fmt: skip
+
+
+def test_text_stream_holds_back_partial_stops_and_characters():
+    """Tokens here are bytes: what is sent never has to be taken back."""
+    from rlcli.server.openai_text import TextStream
+
+    def decode(tokens):
+        return bytes(tokens).decode("utf-8", errors="replace")
+
+    stream = TextStream(decode, ["STOP"], frozenset({0}))
+    sent = [stream.push(b, None)[0] for b in b"ab ST"]
+    assert "".join(sent) == "ab "  # "ST" may be the start of STOP: held back
+    assert stream.push(ord("x"), None)[0] == "STx"  # it was not
+    euro = "€".encode()  # three bytes: nothing until the character is whole
+    assert [stream.push(b, None)[0] for b in euro] == ["", "", "€"]
+    tail = [stream.push(b, None)[0] for b in b"yySTOPzz"]
+    assert "".join(tail) == "yy" and stream.finish_reason == "stop"
+    assert stream.text == "ab STx€yy" and stream.drawn == 5 + 1 + 3 + 8
+    done = TextStream(decode, [], frozenset({0}))
+    assert done.push(ord("a"), None) == ("a", True)
+    assert done.push(0, "stop") == ("", False)  # the end-of-turn token is not text
+    assert done.text == "a" and done.finish_reason == "stop" and done.drawn == 2
