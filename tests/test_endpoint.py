@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from conftest import GSM8K, run_rlcli, start_server
@@ -90,6 +91,29 @@ def test_status_and_passthrough_send_the_api_key(keyed_server):
     assert refused.returncode == 1
     assert refused.stderr.startswith(f"error: the server at {record.base_url} refused the API")
     assert "TINKER_API_KEY" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_the_openai_endpoint_takes_the_key_as_openai_clients_send_it(keyed_server, tiny_model):
+    """``Authorization: Bearer`` (the openai package) and ``X-API-Key`` both open /v1; no key
+    or a wrong one is a 401/403 in OpenAI's error shape."""
+    import openai
+
+    _, record = keyed_server
+    url = f"{record.base_url}/v1"
+    right = openai.OpenAI(base_url=url, api_key="tml-secret", max_retries=0)
+    assert [m.id for m in right.models.list().data] == [str(tiny_model)]
+    answer = right.chat.completions.create(
+        model=str(tiny_model), messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert answer.usage.completion_tokens >= 1
+    wrong = openai.OpenAI(base_url=url, api_key="tml-wrong", max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        wrong.models.list()
+    assert refused.value.body["type"] == "authentication_error"
+    by_header = httpx.get(f"{url}/models", headers={"X-API-Key": "tml-secret"})
+    assert by_header.status_code == 200
+    bare = httpx.get(f"{url}/models")
+    assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_train_rl_against_a_keyed_server(keyed_server, tiny_model, tmp_path):

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -39,12 +40,31 @@ def test_a_dead_engine_fails_every_request_fast_and_the_server_exits(tmp_path, t
     prompt = types.ModelInput.from_ints([5, 6, 7])
     # A request that is still running when the engine dies (a long decode).
     pending = sampler.sample(prompt, 8, types.SamplingParams(max_tokens=3000, seed=0))
-    time.sleep(1.0)
+    # And an OpenAI stream mid-answer: it must end with an error event, not be cut.
+    frames: list[str] = []
+    streaming = threading.Event()
+    body = {"model": str(tiny_model), "prompt": [5, 6], "max_tokens": 3000, "stream": True}
+
+    def read_stream() -> None:
+        with httpx.stream("POST", f"{record.base_url}/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line:
+                    frames.append(line)
+                    streaming.set()
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    assert streaming.wait(30)
+    time.sleep(0.5)
     os.kill(_engine_pid(record.pid), signal.SIGKILL)
     started = time.monotonic()
     with pytest.raises(tinker.RequestFailedError, match="engine"):
         pending.result(timeout=30)
     assert time.monotonic() - started < 10
+    reader.join(30)
+    assert len(frames) > 2 and json.loads(frames[0].removeprefix("data: "))["choices"]
+    last = json.loads(frames[-1].removeprefix("data: "))
+    assert last["error"]["type"] == "server_error" and "engine" in last["error"]["message"]
     health = httpx.get(record.base_url + "/api/v1/healthz", timeout=5)
     assert health.status_code == 503 and "engine" in health.json()["detail"]
     late = httpx.post(

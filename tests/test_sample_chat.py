@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
+import httpx
 import pytest
 
 from conftest import RLCLI, run_rlcli, train_zebra
@@ -116,7 +118,7 @@ def test_ctrl_c_in_chat_cancels_the_answer_and_keeps_the_session(server, tiny_mo
 
     child = pexpect.spawn(
         RLCLI[0],
-        [*RLCLI[1:], "chat", "--model", str(tiny_model), "--max-tokens", "1500", "--seed", "0",
+        [*RLCLI[1:], "chat", "--model", str(tiny_model), "--max-tokens", "3500", "--seed", "0",
          "--base-url", server.base_url],
         encoding="utf-8",
         timeout=120,
@@ -124,9 +126,13 @@ def test_ctrl_c_in_chat_cancels_the_answer_and_keeps_the_session(server, tiny_mo
     try:
         child.expect("you> ")
         child.sendline("Hello there")
-        child.expect(r"[|/\\-] ")  # the spinner: an answer is being waited for
+        child.expect("model> ")  # the answer streams in: it is being written
         child.sendintr()
         child.expect(r"\(cancelled\)")
+        deadline = time.monotonic() + 20  # the server dropped the 3500-token answer's row
+        while httpx.get(f"{server.base_url}/rlcli/status").json()["pending_requests"]:
+            assert time.monotonic() < deadline, "the cancelled answer kept decoding"
+            time.sleep(0.05)
         child.expect("you> ")  # still in the conversation
         child.sendline("/exit")
         child.expect(pexpect.EOF)

@@ -33,6 +33,7 @@ def test_start_status_logs_stop(home, tiny_model):
     started = rlcli(home, "serve", "start", "--base-model", str(tiny_model), "--port", str(port))
     assert started.returncode == 0, started.stderr
     assert started.stdout.strip() == f"http://127.0.0.1:{port}"
+    assert f"OpenAI-compatible API: http://127.0.0.1:{port}/v1" in started.stderr
 
     status = rlcli(home, "serve", "status", "--json")
     assert status.returncode == 0, status.stderr

@@ -79,6 +79,21 @@ def test_import_pipe_into_train_sl_learns_and_checkpoints(
         "exactly)" in result.stderr
     )
     assert "step 12/12" in result.stderr  # 102 train conversations / 16, 2 epochs
+    # The trained checkpoint through the OpenAI endpoint: the greedy text `rlcli sample` gives.
+    import openai
+
+    question = "What is the capital of France?"
+    sampled = run(
+        "sample", "-c", summary["sampler_path"], "-p", question, "--temperature", "0",
+        "--max-tokens", "24", "--json", "--base-url", server.base_url,
+    )  # fmt: skip
+    assert sampled.returncode == 0, sampled.stderr
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="tml-dummy")
+    answer = client.chat.completions.create(
+        model=summary["sampler_path"], messages=[{"role": "user", "content": question}],
+        temperature=0, max_tokens=24,
+    )  # fmt: skip
+    assert answer.choices[0].message.content == json.loads(sampled.stdout)["samples"][0]["text"]
 
 
 def test_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, server, tiny_model, chat_file):

@@ -8,7 +8,8 @@ what ``peft.PeftModel.from_pretrained`` loads). ``merge`` applies the adapter to
 (``merge_and_unload``) and saves a transformers model folder (and so one vLLM serves).
 ``with_optimizer`` asks our server for ``optimizer.pt`` and the run's ``run.json`` too (query
 ``include_optimizer=true``, rlcli's opt-in; the tinker CLI's archive is unchanged), which is what
-``restore`` needs to continue the run on another server.
+``restore`` needs to continue the run on another server. ``export_gguf`` merges in float32 and
+writes one ``.gguf`` file for llama.cpp / Ollama (``gguf_export.py``).
 
 Nothing is half-written: everything is built in a hidden folder beside ``-o DIR`` and renamed
 into place at the end; on any failure the hidden folders go and DIR is as it was.
@@ -161,11 +162,12 @@ def unpack(tar_path: Path, folder: Path, wanted: tuple[str, ...]) -> None:
 # ---- merge ---------------------------------------------------------------------------------
 
 
-def merge(adapter: Path, base_model: str, out: Path, say: Say) -> None:
+def merge(adapter: Path, base_model: str, out: Path, say: Say, as_saved: bool = True) -> None:
     """Base model + adapter, merged, saved with the tokenizer as a transformers folder.
 
     Merged in float32 (exact sums), then cast back to the base model's saved dtype, read from
-    its config before loading (loading in float32 makes the loaded config say float32)."""
+    its config before loading (loading in float32 makes the loaded config say float32), unless
+    ``as_saved`` is False (the GGUF export rounds once, to its own type)."""
     import torch
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -185,7 +187,7 @@ def merge(adapter: Path, base_model: str, out: Path, say: Say) -> None:
         ) from None
     say("merging the adapter ...")
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    if isinstance(saved_dtype, torch.dtype) and saved_dtype != torch.float32:
+    if as_saved and isinstance(saved_dtype, torch.dtype) and saved_dtype != torch.float32:
         merged = merged.to(saved_dtype)
         merged.config.dtype = saved_dtype
     merged.save_pretrained(str(out))
@@ -247,6 +249,78 @@ def export(
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(staged, ignore_errors=True)  # gone already when it was renamed
     return {"output": str(out), **manifest, "files": files}
+
+
+def export_gguf(
+    url: str,
+    path: str,
+    out: Path,
+    *,
+    gguf_type: str = "f16",
+    base_model: str | None = None,
+    force: bool = False,
+    say: Say = lambda _: None,
+) -> dict[str, Any]:
+    """The checkpoint at ``path`` merged into its base model, as one GGUF file ``out``.
+
+    Written beside ``out`` under a hidden name and renamed at the end; ``--force`` replaces
+    only a GGUF file (its magic bytes), nothing else."""
+    from rlcli.gguf_export import TYPES, write_gguf
+
+    check_source(path, False)
+    if gguf_type not in TYPES:
+        raise RlcliError(f"--gguf-type {gguf_type}: not one of {', '.join(TYPES)}")
+    out = check_gguf_output(out, force)
+    link = archive_url(url, path, False)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        say(f"downloading {path} ...")
+        download(link, work / "checkpoint.tar", say)
+        adapter = work / "adapter"
+        adapter.mkdir()
+        unpack(work / "checkpoint.tar", adapter, ADAPTER_FILES)
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        trained_on = config.get("base_model_name_or_path")
+        merge(adapter, base_model or trained_on, work / "merged", say, as_saved=False)
+        say(f"writing {gguf_type} GGUF ...")
+        staged = work / out.name
+        written = write_gguf(work / "merged", staged, gguf_type, name=path.rsplit("/", 1)[-1])
+        if out.exists():
+            check_gguf_output(out, force)  # again: it may have appeared meanwhile
+        os.replace(staged, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "output": str(out),
+        "source": path,
+        "server": url,
+        "base_model": trained_on,
+        "lora_rank": config.get("r"),
+        **written,
+        "bytes": out.stat().st_size,
+        "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def check_gguf_output(out: Path, force: bool) -> Path:
+    out = Path(out).expanduser().absolute()
+    if out.suffix != ".gguf":
+        raise RlcliError(f"-o {out}: with --gguf, name the file to write (ending in .gguf)")
+    if out.is_dir():
+        raise RlcliError(f"-o {out}: is a folder; with --gguf, -o names a .gguf file")
+    if out.exists():
+        if not force:
+            raise RlcliError(f"-o {out}: exists (pass --force to replace an earlier export)")
+        with open(out, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise RlcliError(f"-o {out}: not a GGUF file; --force replaces only a GGUF file")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RlcliError(f"-o {out}: cannot create its parent folder ({e.strerror})") from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise RlcliError(f"-o {out}: {out.parent} is not writable")
+    return out
 
 
 def check_output(out: Path, force: bool) -> Path:

@@ -223,12 +223,31 @@ def import_gguf(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str]) 
     tokenizer = byte_level_as_plain(
         AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     )
-    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, config=gguf_config(source)
+    )
     agree_special_tokens(tokenizer, model.config, model.generation_config)
     target.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(target)
     model.save_pretrained(target)
     return target
+
+
+def gguf_config(source: Path):
+    """transformers' config of a GGUF file, with ``head_dim`` from the file's
+    ``attention.key_length``: transformers (5.5) leaves Qwen3's at its default of 128, so a
+    model whose heads are another size (``hidden / heads``, the tiny model's 16) would not
+    load."""
+    import gguf
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    field = reader.fields.get(f"{arch}.attention.key_length")
+    if field is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(field.contents())
+    return config
 
 
 def byte_level_as_plain(tokenizer):

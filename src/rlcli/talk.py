@@ -9,11 +9,15 @@ one ``RlcliError`` line; the SDK alone would retry a dead server for minutes.
 A ``Talker`` renders a conversation with the cookbook renderer the train commands use
 (``compat.resolve_renderer``), so a checkpoint trained by ``rlcli train sl`` is asked in the
 format it learned; ``raw`` sends the text's tokens as they are. The Tinker sample API returns
-whole completions (no token streaming), so a reply arrives at once.
+whole completions; ``Talker.stream`` sends the same rendered tokens to the server's
+OpenAI-compatible ``/v1/completions`` instead, which streams them from the same decode loop
+(``rlcli chat``), and says ``NoStreaming`` for a server without it (SkyRL's).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -212,6 +216,48 @@ class Talker:
         )
         return self._client.sample(prompt, num_samples, params)
 
+    def stream(self, prompt, settings: Settings) -> Iterator[tuple[str, str | None]]:
+        """The reply as it is drawn: (text, finish reason or None) pieces, through the server's
+        ``/v1/completions`` with the rendered prompt's tokens and the renderer's stops. Closing
+        the iterator (Ctrl-C) hangs up, and the server drops the reply's row."""
+        stops = [] if self.raw else list(self._renderer.get_stop_sequences())
+        body = {
+            "model": self.target.label,
+            "prompt": prompt.to_ints(),
+            "max_tokens": settings.max_tokens,
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
+            "seed": settings.seed,
+            "stream": True,
+            "stop": [x for x in stops if isinstance(x, str)] or None,
+            "stop_token_ids": [x for x in stops if isinstance(x, int)] or None,
+        }
+        url = f"{self.target.base_url}/v1/completions"
+        headers, timeout = endpoint.headers(), httpx.Timeout(10.0, read=None)
+        try:
+            with httpx.stream("POST", url, json=body, headers=headers, timeout=timeout) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    error = _json(r).get("error")
+                    if r.status_code in (404, 405) and not isinstance(error, dict):
+                        raise NoStreaming(url)
+                    message = error.get("message") if isinstance(error, dict) else r.text[:200]
+                    raise RlcliError(f"sampling {self.target.label} failed: {message}")
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        message = chunk["error"].get("message")
+                        raise RlcliError(f"sampling {self.target.label} failed: {message}")
+                    for choice in chunk.get("choices") or []:
+                        yield choice.get("text") or "", choice.get("finish_reason")
+        except httpx.HTTPError as e:
+            raise RlcliError(
+                f"sampling {self.target.label}: lost the server at {self.target.base_url} "
+                f"({type(e).__name__})"
+            ) from None
+
     def replies(self, response) -> list[Reply]:
         from tinker_cookbook.renderers import get_text_content
 
@@ -228,6 +274,18 @@ class Talker:
             text = get_text_content(message)
             out.append(Reply(text, tokens, stop, str(getattr(termination, "value", termination))))
         return out
+
+
+class NoStreaming(RlcliError):
+    """The server has no OpenAI-compatible endpoint (a SkyRL server): sample whole replies."""
+
+
+def _json(response: httpx.Response) -> dict:
+    try:
+        value = response.json()
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def sample_error(target: Target, error: BaseException) -> RlcliError:

@@ -26,7 +26,9 @@ def export(
     checkpoint: str = typer.Option(
         None, "--checkpoint", "-c", help="tinker://RUN/(weights|sampler_weights)/NAME."
     ),
-    output: Path = typer.Option(..., "--output", "-o", help="Folder to write (new or empty)."),
+    output: Path = typer.Option(
+        ..., "--output", "-o", help="Folder to write (new or empty); with --gguf, a .gguf file."
+    ),
     merge: bool = typer.Option(
         False,
         "--merge",
@@ -39,10 +41,19 @@ def export(
         help="A training state (weights/...) with its optimizer.pt and run.json, so "
         "`rlcli restore` can continue the run on another server.",
     ),
+    gguf: bool = typer.Option(
+        False,
+        "--gguf",
+        help="One .gguf file of the merged model (base + LoRA) for llama.cpp, Ollama, LM "
+        "Studio: -o names the file. Llama (SmolLM2) and Qwen2/Qwen3 models.",
+    ),
+    gguf_type: str = typer.Option(
+        "f16", "--gguf-type", help="With --gguf: f16, bf16 or q8_0 (weights' type)."
+    ),
     base_model: str = typer.Option(
         None,
         "--base-model",
-        help="With --merge: where to load the base model from (default: the checkpoint's).",
+        help="With --merge/--gguf: where to load the base model from (default: the checkpoint's).",
     ),
     force: bool = typer.Option(
         False,
@@ -63,11 +74,24 @@ def export(
 
     if bool(run) == bool(checkpoint):
         raise RlcliError("pass a RUN folder or --checkpoint tinker://... (one of them)")
+    if gguf and with_optimizer:
+        raise RlcliError("--gguf and --with-optimizer: a GGUF file has no optimizer state")
+    if gguf_type != "f16" and not gguf:
+        raise RlcliError("--gguf-type: only with --gguf")
     path = checkpoint or exporting.from_run(run, with_optimizer)
     exporting.check_source(path, with_optimizer)
     url, source = endpoint.resolve_base_url(base_url)
     endpoint.check_server(url, source=source, timeout=5)
     info(endpoint.describe(url, source))
+    if gguf:
+        result = exporting.export_gguf(
+            url, path, output, gguf_type=gguf_type, base_model=base_model, force=force, say=info
+        )
+        if as_json:
+            emit(result, as_json=True)
+        else:
+            emit({k: v for k, v in result.items() if k != "server"}, as_json=False, title="GGUF")
+        return
     result = exporting.export(
         url,
         path,

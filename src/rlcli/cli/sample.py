@@ -16,8 +16,8 @@ from rlcli.cli._output import emit, info
 from rlcli.errors import RlcliError
 
 NO_STREAMING = (
-    "The Tinker sample API returns whole completions (no token streaming): each answer "
-    "appears when it is complete."
+    "This server has no OpenAI-compatible endpoint to stream from: each answer appears when it "
+    "is complete."
 )
 
 MODEL = typer.Option(None, "--model", "-m", help="Base model the server hosts (hub id or folder).")
@@ -180,9 +180,10 @@ def chat(
 
     /reset forgets the conversation; /system TEXT sets the system message (alone: clears it).
 
-    /exit or Ctrl-D leaves; Ctrl-C cancels the answer being waited for.
+    /exit or Ctrl-D leaves; Ctrl-C cancels the answer being written.
 
-    No token streaming: the Tinker sample API returns whole completions; answers appear whole.
+    Answers stream as they are generated (the server's OpenAI-compatible endpoint, fed the same
+    rendered prompt); on a server without one they appear whole.
     """
     from rlcli import talk
 
@@ -190,7 +191,8 @@ def chat(
     settings = talk.Settings(max_tokens, temperature, top_p, seed)
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
-    info(f"{HELP}; Ctrl-C cancels an answer. {NO_STREAMING}")
+    info(f"{HELP}; Ctrl-C cancels an answer.")
+    streaming = True
     history: list[dict] = []
     while True:
         try:
@@ -219,7 +221,20 @@ def chat(
             continue
         turn = {"role": "user", "content": line}
         messages = ([{"role": "system", "content": system}] if system else []) + history + [turn]
-        future = talker.submit(talker.prompt(messages), settings)
+        prompt = talker.prompt(messages)
+        if streaming:
+            try:
+                text, reason = _stream_answer(talker, prompt, settings)
+            except talk.NoStreaming:
+                streaming = False
+                info(NO_STREAMING)
+            except KeyboardInterrupt:  # leaving the stream hung up: the server drops the row
+                print(" (cancelled)", flush=True)
+                continue
+            else:
+                history += [turn, {"role": "assistant", "content": text}]
+                continue
+        future = talker.submit(prompt, settings)
         try:
             reply = talker.replies(_wait(future, sys.stderr.isatty()))[0]
         except KeyboardInterrupt:
@@ -231,3 +246,24 @@ def chat(
         history += [turn, {"role": "assistant", "content": reply.text}]
         cut = " [cut at --max-tokens]" if reply.stop_reason == "length" else ""
         print(f"model> {reply.text}{cut}", flush=True)
+
+
+def _stream_answer(talker, prompt, settings) -> tuple[str, str | None]:
+    """Print ``model> `` and the answer as it arrives; (the whole text, finish reason)."""
+    pieces, reason = [], None
+    stream = talker.stream(prompt, settings)
+    try:
+        for piece, finish in stream:
+            if not pieces:
+                sys.stdout.write("model> ")
+            pieces.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            reason = finish or reason
+    finally:
+        stream.close()
+    if not pieces:
+        sys.stdout.write("model> ")
+    cut = " [cut at --max-tokens]" if reason == "length" else ""
+    print(cut, flush=True)
+    return "".join(pieces), reason

@@ -162,6 +162,7 @@ def start(
         return
     if foreground:
         info(f"serving {options.base_model} on {host}:{port} in the foreground (pid {os.getpid()})")
+        info(f"OpenAI-compatible API: http://{host}:{port}/v1")
         code = process.run_foreground(
             home, command, host=host, port=port, base_model=options.base_model,
             backend=backend, env=env,
@@ -183,11 +184,13 @@ def start(
         env=env,
     )
     result = {"base_url": record.base_url, "pid": record.pid, "healthy": True}
+    result["openai_base_url"] = f"{record.base_url}/v1"
     result["log"] = record.log_path
     if as_json:
         emit(result, as_json=True)
     else:
         info(f"ready (pid {record.pid}); logs: rlcli serve logs; stop: rlcli serve stop")
+        info(f"Tinker API: {record.base_url}  OpenAI-compatible API: {record.base_url}/v1")
         print(record.base_url)
 
 

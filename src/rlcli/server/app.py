@@ -18,12 +18,15 @@ import os
 import signal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rlcli.server import (
     checkpoints,
     routes_checkpoints,
+    routes_openai,
     routes_rest,
     routes_sampling,
     routes_service,
@@ -63,8 +66,11 @@ def create_app(settings: Settings) -> FastAPI:
     async def check_api_key(request: Request) -> None:
         if state.authorised(request):
             return
-        if request.headers.get("x-api-key") is None:
-            raise HTTPException(401, "X-API-Key: missing; this server needs an API key")
+        sent = ("x-api-key", "authorization")
+        if not any(request.headers.get(name) for name in sent):
+            raise HTTPException(
+                401, "X-API-Key: missing; this server needs an API key (or Authorization: Bearer)"
+            )
         raise HTTPException(403, "X-API-Key: wrong API key")
 
     guarded = [Depends(check_api_key)]
@@ -76,23 +82,69 @@ def create_app(settings: Settings) -> FastAPI:
         routes_sampling,
         routes_checkpoints,
         routes_rest,
+        routes_openai,
     ):
         app.include_router(module.router, dependencies=guarded)
 
     @app.exception_handler(UserError)
     async def user_error(request: Request, exc: UserError):
+        if _openai(request.url.path):
+            status = 400 if exc.status == 422 else exc.status
+            return _openai_error(request, status, str(exc), getattr(exc, "param", None),
+                                 getattr(exc, "code", None))  # fmt: skip
         return JSONResponse({"detail": str(exc)}, exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError):
+        if _openai(request.url.path):
+            errors = exc.errors()
+            first = errors[0] if errors else {}
+            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+            param = None if first.get("type") == "json_invalid" else ".".join(loc) or None
+            return _openai_error(request, 400, first_error(errors), param)
         return JSONResponse({"detail": first_error(exc.errors())}, 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if _openai(request.url.path):
+            return _openai_error(request, exc.status_code, str(exc.detail), None, None,
+                                 getattr(exc, "headers", None))  # fmt: skip
+        return await http_exception_handler(request, exc)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         log.exception("%s %s failed", request.method, request.url.path)
-        return JSONResponse({"detail": f"internal error: {type(exc).__name__}: {exc}"}, 500)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        if _openai(request.url.path):
+            return _openai_error(request, 500, message)
+        return JSONResponse({"detail": message}, 500)
 
     return app
+
+
+def _openai(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def openai_error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict:
+    """OpenAI's error shape, which its clients parse."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status in (401, 403):
+        kind, code = "authentication_error", code or "invalid_api_key"
+    if status == 404 and code is None:
+        code = "not_found"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _openai_error(
+    request: Request, status: int, message: str, param: str | None = None,
+    code: str | None = None, headers: dict | None = None,
+) -> JSONResponse:  # fmt: skip
+    """Every error of a /v1 path: OpenAI's shape, and one line in the server log."""
+    log.info("%s %s: %d %s", request.method, request.url.path, status, message)
+    return JSONResponse(openai_error_body(status, message, param, code), status, headers=headers)
 
 
 class BodyLimit:
@@ -115,7 +167,8 @@ class BodyLimit:
         detail = f"body: larger than this server's cap of {cap} bytes ({flag})"
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > cap:
-            return await JSONResponse({"detail": detail}, 413)(scope, receive, send)
+            body = openai_error_body(413, detail) if _openai(scope["path"]) else {"detail": detail}
+            return await JSONResponse(body, 413)(scope, receive, send)
         received = 0
 
         async def counted():

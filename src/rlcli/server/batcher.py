@@ -61,6 +61,28 @@ class Batcher:
             log.info("sampling batch done: %s", self.stats)
         return replies
 
+    def cancel(self, request_id: Any, reply: Exception) -> list[Reply]:
+        """Forget a request whose client went away: out of the queue, or its rows out of the
+        running batch (before the next step). Its one answer is ``reply``; nothing if it was
+        already answered."""
+        for item in self.waiting:
+            if item[0] == request_id:
+                self.waiting.remove(item)
+                return [(request_id, reply)]
+        if self.batch is not None and self.batch.cancel(request_id):
+            if not len(self.batch):
+                log.info("sampling batch done: %s", self.stats)
+            return [(request_id, reply)]
+        return []
+
+    def take_partials(self) -> list[tuple[Any, list[tuple]]]:
+        """The streaming requests' tokens drawn since the last call, per request id."""
+        if self.batch is None or not self.batch.partials:
+            return []
+        taken = list(self.batch.partials.items())
+        self.batch.partials.clear()
+        return taken
+
     def _admit(self) -> list[Reply]:
         replies: list[Reply] = []
         while self.waiting and (self.batch is None or not len(self.batch)):

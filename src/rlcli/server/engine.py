@@ -275,6 +275,7 @@ class Engine:
                 self._checkpoint_above, f"above {self.microbatch_tokens} tokens"
             ),
             "losses": sorted(losses.LOSSES),
+            "eos_ids": list(self.eos_ids),  # what ends a sample (EOS, end of turn)
         }
 
     def create_adapter(

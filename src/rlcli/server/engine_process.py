@@ -31,6 +31,8 @@ from rlcli.server.futures import FutureStore
 log = logging.getLogger("rlcli.server")
 
 READY = "__ready__"
+CANCEL = "__cancel__"  # (CANCEL, request_id) on the request queue: the client went away
+PARTIAL = "partial"  # (request_id, PARTIAL, tokens) on the reply queue: a stream's new tokens
 # A sample request that starts a batch waits for others while they keep coming: until none
 # arrived for GATHER_IDLE_S, at most GATHER_MAX_S in all. Concurrent clients (an eval's 64
 # tasks, a step's rollouts) reach the queue spread over tens of ms; one prefill for them all is
@@ -85,6 +87,12 @@ class EngineClient:
         self._requests.put((request_id, op))
         return request_id
 
+    def cancel(self, request_id: str) -> None:
+        """The client of a sample request went away: the engine drops its rows at the next
+        decode step (its future still gets one reply, a user error)."""
+        if self.error is None and self._process.is_alive():
+            self._requests.put((CANCEL, request_id))
+
     def _read_replies(self) -> None:
         while True:
             try:
@@ -106,6 +114,9 @@ class EngineClient:
                     self._died(f"the engine failed to start: {value}")
                     return
                 self.ready.set()
+                continue
+            if status == PARTIAL:
+                self._futures.partial(request_id, value)
                 continue
             self._futures.resolve(request_id, status, value)
 
@@ -167,10 +178,12 @@ def serve(
     """Run operations in arrival order until a stop (``None``) or the parent process is gone.
 
     Sample operations go to the ``Batcher``: one decode step at a time, with new requests
-    joining the running batch between steps. Any other operation waits until the samples that
-    arrived before it are answered, and samples that arrive after it wait for it, so order
-    across kinds holds (a sampler saved after a step samples the new weights). ``join=False``
-    decodes each batch to the end first (the old behaviour, for benchmarks).
+    joining the running batch between steps; a streaming request's tokens are sent as they are
+    drawn, before its reply, and a cancel takes a request's rows out before the next step.
+    Any other operation waits until the samples that arrived before it are answered, and
+    samples that arrive after it wait for it, so order across kinds holds (a sampler saved
+    after a step samples the new weights). ``join=False`` decodes each batch to the end first
+    (the old behaviour, for benchmarks).
     """
     from rlcli.server.batcher import Batcher
 
@@ -188,24 +201,47 @@ def serve(
             _drain(requests, pending)
             if parent is not None and os.getppid() != parent:
                 return
+        _cancel(pending, batcher, results)
         samples = []
         while pending and _is_sample(pending[0]):
             samples.append(pending.popleft())
         if samples:
-            _send(results, batcher.add([(rid, op.job) for rid, op in samples]))
+            _send(results, batcher.add([(rid, op.job) for rid, op in samples]), batcher)
         if pending:  # a stop or another kind is next: the samples before it finish first
             while batcher.busy:
-                _send(results, batcher.step())
+                _send(results, batcher.step(), batcher)
+                _drain(requests, pending)  # a stream's client may leave meanwhile
+                _cancel(pending, batcher, results)
             item = pending.popleft()
             if item is None:
                 return
             _run_one(engine, item, results)
         elif batcher.busy:
-            _send(results, batcher.step())
+            _send(results, batcher.step(), batcher)
 
 
 def _is_sample(item) -> bool:
     return item is not None and isinstance(item[1], ops.Sample)
+
+
+def _cancel(pending: deque, batcher, results) -> None:
+    """Apply the cancels read so far: a request not started is answered at once, a decoding
+    one leaves the batch; each answer is the one reply its future gets."""
+    from rlcli.server.errors import UserError
+
+    cancels = [item[1] for item in pending if item is not None and item[0] == CANCEL]
+    if not cancels:
+        return
+    for item in [item for item in pending if item is not None and item[0] == CANCEL]:
+        pending.remove(item)
+    for request_id in cancels:
+        reply = UserError("cancelled: the client went away")
+        queued = [item for item in pending if item is not None and item[0] == request_id]
+        if queued:
+            pending.remove(queued[0])
+            _reply(results, request_id, reply)
+        else:
+            _send(results, batcher.cancel(request_id, reply))
 
 
 def _gather(requests, pending: deque) -> None:
@@ -233,7 +269,11 @@ def _drain(requests, pending: deque) -> None:
             return
 
 
-def _send(results, replies) -> None:
+def _send(results, replies, batcher=None) -> None:
+    """The replies of an add or a step, after the streamed tokens drawn in it."""
+    if batcher is not None:
+        for request_id, tokens in batcher.take_partials():
+            results.put((request_id, PARTIAL, tokens))
     for request_id, outcome in replies:
         _reply(results, request_id, outcome)
 

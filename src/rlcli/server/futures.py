@@ -5,6 +5,8 @@ are handed to the event loop (``call_soon_threadsafe``), the only thread that to
 store. ``wait`` long-polls, so an idle client makes one request per poll window instead of
 spinning, and a finished result is answered the moment it lands. Finished outcomes are kept
 for ``keep_s`` seconds (a client may poll again after a dropped response), at most ``keep_done``.
+A streaming request also has a listener: an ``asyncio.Queue`` that gets the engine's partial
+results as they arrive, then the ``Outcome``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Outcome:
 class FutureStore:
     def __init__(self, keep_done: int = 4096, keep_s: float = 600.0) -> None:
         self._pending: dict[str, tuple[asyncio.Future, type]] = {}
+        self._listeners: dict[str, asyncio.Queue] = {}
         self._done: OrderedDict[str, Outcome] = OrderedDict()
         self._keep_done = keep_done
         self._keep_s = keep_s
@@ -42,6 +45,22 @@ class FutureStore:
         self._pending[request_id] = (self._loop.create_future(), op)
         return request_id
 
+    def listen(self, request_id: str, queue: asyncio.Queue) -> None:
+        """Put the request's partial results on ``queue`` as they arrive, then its ``Outcome``,
+        each as ``(request_id, item)`` (event loop only; call right after ``create``: no reply
+        can be handed over before the loop runs again)."""
+        self._listeners[request_id] = queue
+
+    def partial(self, request_id: str, value: Any) -> None:
+        """Thread-safe: a partial result (a stream's new tokens) from the engine reader."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._partial, request_id, value)
+
+    def _partial(self, request_id: str, value: Any) -> None:
+        queue = self._listeners.get(request_id)
+        if queue is not None:
+            queue.put_nowait((request_id, value))
+
     def resolve(self, request_id: str, status: str, value: Any) -> None:
         """Thread-safe: called from the engine reader thread."""
         assert self._loop is not None
@@ -53,6 +72,9 @@ class FutureStore:
             return
         future, op = entry
         outcome = Outcome(status, value, op)
+        queue = self._listeners.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait((request_id, outcome))
         self._done[request_id] = outcome
         self._prune()
         if not future.done():

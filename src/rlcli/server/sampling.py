@@ -40,6 +40,7 @@ class SampleJob:
     target_prompt: np.ndarray | None = None  # int64 [N - 1, K] token ids, -1: nothing asked
     target_sparse: tuple[np.ndarray, np.ndarray] | None = None  # the request's CSR layout
     prompt_alt_k: int = 0  # draws per prompt position at the request's temperature
+    stream: bool = False  # report each drawn token as it is drawn (DecodeBatch.partials)
 
     @property
     def wants_prompt(self) -> bool:
@@ -228,6 +229,9 @@ class DecodeBatch:
         self.can_join = _full_attention_only(model)
         self.rows: list[_Row] = []
         self.steps = 0  # decode forward passes run
+        # Streaming requests' tokens drawn since the caller last took them: ticket -> list of
+        # (sample, token, logprob, top ids or None, top logprobs or None, reason or None).
+        self.partials: dict[Any, list[tuple]] = {}
         self._cache = None
         self._attention = self._position = self._next_logits = None
         self._temperature = self._top_k = self._top_p = None
@@ -385,6 +389,11 @@ class DecodeBatch:
                 row.reason = "stop"
             elif len(row.tokens) >= job.max_tokens:
                 row.reason = "length"
+            if job.stream:
+                ids, lps = row.topk[-1] if row.topk else (None, None)
+                self.partials.setdefault(row.job.ticket, []).append(
+                    (row.sample, token, row.logprobs[-1], _list(ids), _list(lps), row.reason)
+                )
             if row.reason is None:
                 keep.append(r)
                 continue
@@ -421,6 +430,16 @@ class DecodeBatch:
         self._next_logits = out.logits[:, -1, :].float()
         self.steps += 1
         return done
+
+    def cancel(self, ticket: Any) -> bool:
+        """Drop every row of request ``ticket`` (its client went away) between two steps;
+        False if it has none here."""
+        keep = [r for r, row in enumerate(self.rows) if row.job.ticket != ticket]
+        if len(keep) == len(self.rows):
+            return False
+        self._keep(keep)
+        self.partials.pop(ticket, None)
+        return True
 
     def _top_sampled(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The top-k (the largest k any row asks for) of this step's distributions, for
@@ -487,6 +506,10 @@ class DecodeBatch:
         else:
             self._cache = self._cache_from(layers)
         self._row_params()
+
+
+def _list(values: np.ndarray | None) -> list | None:
+    return None if values is None else values.tolist()
 
 
 def _spare(tokens_left) -> int:

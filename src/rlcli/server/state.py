@@ -120,12 +120,20 @@ class ServerState:
         self.checkpoints_root = Path(settings.checkpoints_dir or rlcli_home() / "checkpoints")
         self.checkpoints_root.mkdir(parents=True, exist_ok=True)
         self.tars = Archives(self.checkpoints_root / checkpoints.STAGING / "archives")
+        self.chat_tokenizer: Any = None  # the OpenAI endpoint's (routes_openai.tokenizer)
+        self.chat_tokenizer_lock = asyncio.Lock()
 
     def authorised(self, request: Request) -> bool:
-        """The request carries this server's API key (any key when it has none), compared in
-        constant time."""
-        key, sent = self.settings.api_key, request.headers.get("x-api-key")
-        return not key or (sent is not None and hmac.compare_digest(sent.encode(), key.encode()))
+        """The request carries this server's API key (any key when it has none), as
+        ``X-API-Key`` or ``Authorization: Bearer``, compared in constant time."""
+        key = self.settings.api_key
+        if not key:
+            return True
+        sent = request.headers.get("x-api-key")
+        bearer = request.headers.get("authorization", "")
+        if sent is None and bearer[:7].lower() == "bearer ":  # what OpenAI clients send
+            sent = bearer[7:].strip()
+        return sent is not None and hmac.compare_digest(sent.encode(), key.encode())
 
     def submit(self, op: ops.Op, model_id: str | None = None) -> dict[str, Any]:
         """Queue ``op`` on the engine; the future the client polls (503 if the engine is gone)."""

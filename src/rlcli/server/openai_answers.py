@@ -1,0 +1,266 @@
+"""The answers of the OpenAI-compatible endpoint (``routes_openai.py``): a whole
+``chat.completion`` / ``text_completion`` from the engine's ``SampleOutput``, and the SSE chunks
+of a stream from the engine's partial results (``_Answer``), one ``TextStream`` per choice.
+``Stream`` runs its ``on_close`` however the response ends, which is how a client that hangs
+up cancels its rows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi.responses import StreamingResponse
+
+from rlcli.server.futures import Outcome
+from rlcli.server.openai_text import ChatTokenizer, TextStream
+from rlcli.server.sampling import SampleJob
+from rlcli.server.state import ServerState
+
+log = logging.getLogger("rlcli.server")
+
+
+@dataclass
+class Plan:
+    """One OpenAI request as engine jobs: one per prompt, ``n`` rows each."""
+
+    kind: str  # "chat" | "text"
+    model: str
+    jobs: list[SampleJob]
+    prompt_tokens: int
+    logprobs: bool
+    top_logprobs: int
+    stops: list[str]
+    n: int
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _token_entry(text: ChatTokenizer, token: int, logprob: float, top, kind: str):
+    """One token's logprobs entry, in the chat shape (the text shape is built from these)."""
+    piece = text.decode([token])
+    entry = {"token": piece, "logprob": float(logprob), "bytes": list(piece.encode())}
+    alternatives = []
+    for alt, alt_lp in zip(*top, strict=True) if top and top[0] is not None else ():
+        alt_piece = text.decode([int(alt)])
+        alternatives.append(
+            {"token": alt_piece, "logprob": float(alt_lp), "bytes": list(alt_piece.encode())}
+        )
+    entry["top_logprobs"] = alternatives
+    return entry
+
+
+def _logprobs_json(plan: Plan, entries: list[dict], offset: int) -> dict | None:
+    if not plan.logprobs:
+        return None
+    if plan.kind == "chat":
+        return {"content": entries, "refusal": None}
+    offsets, at = [], offset
+    for entry in entries:
+        offsets.append(at)
+        at += len(entry["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [
+            {a["token"]: a["logprob"] for a in e["top_logprobs"]} if plan.top_logprobs else None
+            for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _usage(plan: Plan, choices: list[TextStream]) -> dict[str, int]:
+    completion = sum(c.drawn for c in choices)
+    return {
+        "prompt_tokens": plan.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": plan.prompt_tokens + completion,
+    }
+
+
+def whole(plan: Plan, text: ChatTokenizer, choices: list[TextStream], outputs) -> dict:
+    """The non-streaming answer from the engine's ``SampleOutput`` per prompt."""
+    out = []
+    for p, output in enumerate(outputs):
+        for s, (tokens, logprobs, reason) in enumerate(output.sequences):
+            index = p * plan.n + s
+            stream = choices[index]
+            entries = []
+            pairs = zip(tokens.tolist(), logprobs.tolist(), strict=True)
+            for t, (token, logprob) in enumerate(pairs):
+                last = t == len(tokens) - 1
+                _, is_text = stream.push(token, reason if last else None)
+                if is_text and plan.logprobs:
+                    top = None
+                    if output.topk_sampled is not None and plan.top_logprobs:
+                        ids, lps = output.topk_sampled[s]
+                        k = plan.top_logprobs
+                        top = (ids[t, :k].tolist(), lps[t, :k].tolist())
+                    entries.append(_token_entry(text, token, logprob, top, plan.kind))
+            if not len(tokens):
+                stream.finish_reason = reason
+            finish = stream.finish_reason or reason
+            if plan.kind == "chat":
+                message = {"role": "assistant", "content": stream.text, "refusal": None}
+                out.append({"index": index, "message": message, "finish_reason": finish,
+                            "logprobs": _logprobs_json(plan, entries, 0)})  # fmt: skip
+            else:
+                out.append({"index": index, "text": stream.text, "finish_reason": finish,
+                            "logprobs": _logprobs_json(plan, entries, 0)})  # fmt: skip
+    return {
+        "id": ("chatcmpl-" if plan.kind == "chat" else "cmpl-") + plan.id,
+        "object": "chat.completion" if plan.kind == "chat" else "text_completion",
+        "created": plan.created,
+        "model": plan.model,
+        "system_fingerprint": None,
+        "choices": out,
+        "usage": _usage(plan, choices),
+    }
+
+
+class Stream(StreamingResponse):
+    """Server-sent events; ``on_close`` runs however the response ends (finished, the client
+    gone, an error), so an abandoned request never keeps its rows in the batch."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class Answer:
+    """One streaming request: the engine's partial results and replies -> SSE chunks."""
+
+    def __init__(self, plan: Plan, text: ChatTokenizer, choices, request_ids: list[str]) -> None:
+        self.plan, self.text, self.choices = plan, text, choices
+        self.prompt_of = {rid: p for p, rid in enumerate(request_ids)}
+        self.open = set(request_ids)  # requests not yet answered by the engine
+        self.finished: set[int] = set()  # choices whose finish_reason was sent
+        self.offsets = [0] * len(choices)
+
+    def close(self, state: ServerState) -> None:
+        for request_id in self.open:
+            state.engine.cancel(request_id)
+            log.info("stream %s: client gone; its rows leave the batch", request_id)
+        self.open.clear()
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        plan = self.plan
+        chunk = {
+            "id": ("chatcmpl-" if plan.kind == "chat" else "cmpl-") + plan.id,
+            "object": "chat.completion.chunk" if plan.kind == "chat" else "text_completion",
+            "created": plan.created,
+            "model": plan.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if plan.include_usage:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    def _choice(self, index: int, delta: str, entries: list[dict], finish: str | None) -> dict:
+        logprobs = _logprobs_json(self.plan, entries, self.offsets[index]) if entries else None
+        self.offsets[index] += len(delta)
+        if self.plan.kind == "chat":
+            body = {"content": delta} if delta or finish is None else {}
+            return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def _push(self, index: int, token: int, logprob: float, top, reason) -> tuple[str, list]:
+        stream = self.choices[index]
+        delta, is_text = stream.push(token, reason)
+        entries = []
+        if is_text and self.plan.logprobs:
+            k = self.plan.top_logprobs
+            cut = (top[0][:k], top[1][:k]) if k and top[0] is not None else None
+            entries.append(_token_entry(self.text, token, logprob, cut, self.plan.kind))
+        return delta, entries
+
+    def _step(self, prompt: int, tokens: list[tuple]) -> str:
+        """One decode step's tokens of one request -> one chunk (the choices that changed)."""
+        grouped: dict[int, tuple[str, list]] = {}
+        for sample, token, logprob, top_ids, top_lps, reason in tokens:
+            index = prompt * self.plan.n + sample
+            if index in self.finished:
+                continue
+            delta, entries = self._push(index, token, logprob, (top_ids, top_lps), reason)
+            text, got = grouped.get(index, ("", []))
+            grouped[index] = (text + delta, got + entries)
+        out = []
+        for index, (delta, entries) in grouped.items():
+            finish = self.choices[index].finish_reason
+            if finish:
+                self.finished.add(index)
+            if delta or entries or finish:
+                out.append(self._choice(index, delta, entries, finish))
+        return self._chunk(out) if out else ""
+
+    def _final(self, prompt: int, output) -> str:
+        """The engine's reply: tokens not streamed yet (a batch retried alone, max_tokens 0)
+        and every finish_reason not sent yet."""
+        out = []
+        for s, (tokens, logprobs, reason) in enumerate(output.sequences):
+            index = prompt * self.plan.n + s
+            if index in self.finished:
+                continue
+            stream = self.choices[index]
+            delta, entries = "", []
+            for t in range(stream.drawn, len(tokens)):
+                top = (None, None)
+                if output.topk_sampled is not None:
+                    ids, lps = output.topk_sampled[s]
+                    top = (ids[t].tolist(), lps[t].tolist())
+                last = t == len(tokens) - 1
+                d, e = self._push(index, int(tokens[t]), float(logprobs[t]), top,
+                                  reason if last else None)  # fmt: skip
+                delta, entries = delta + d, entries + e
+            self.finished.add(index)
+            out.append(self._choice(index, delta, entries, stream.finish_reason or reason))
+        return self._chunk(out) if out else ""
+
+    def _error(self, message: str, status: int) -> str:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        error = {"message": message, "type": kind, "param": None, "code": None}
+        return f"data: {json.dumps({'error': error})}\n\n"
+
+    async def events(self, queue: asyncio.Queue) -> AsyncIterator[str]:
+        if self.plan.kind == "chat":  # the role first, as OpenAI sends it
+            first = [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}
+                for i in range(len(self.choices))
+            ]  # fmt: skip
+            yield self._chunk(first)
+        while self.open:
+            request_id, item = await queue.get()
+            prompt = self.prompt_of[request_id]
+            if not isinstance(item, Outcome):
+                chunk = self._step(prompt, item)
+            else:
+                self.open.discard(request_id)
+                if item.status != "ok":
+                    log.info("stream %s failed: %s", request_id, item.value)
+                    status = 400 if item.status == "user" else 500
+                    yield self._error(f"sampling failed: {item.value}", status)
+                    return  # on_close cancels the rest
+                chunk = self._final(prompt, item.value)
+            if chunk:
+                yield chunk
+        if self.plan.include_usage:
+            yield self._chunk([], _usage(self.plan, self.choices))
+        yield "data: [DONE]\n\n"
