@@ -234,3 +234,17 @@ def test_samples_without_sequence_ids_get_made_up_ones():
     assert len(set(ids)) == 2 and None not in ids
     given = sampling_client._attach_sequence_ids(response, ["a:0", "a:1"])
     assert [s.sequence_id for s in given.sequences] == ["a:0", "a:1"]
+
+
+def test_the_sl_loop_takes_its_learning_rate_from_the_name_warmup_replaces():
+    import inspect
+
+    from tinker_cookbook.supervised import train
+    from tinker_cookbook.utils.lr_scheduling import compute_schedule_lr_multiplier
+
+    from rlcli.compat import SL_LR_MULTIPLIER, warmup_multiplier
+
+    assert f"{SL_LR_MULTIPLIER}(" in inspect.getsource(train.main)
+    assert getattr(train, SL_LR_MULTIPLIER) is compute_schedule_lr_multiplier
+    steps = [warmup_multiplier(compute_schedule_lr_multiplier, "linear", s, 6, 2) for s in range(6)]
+    assert steps == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]

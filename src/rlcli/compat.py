@@ -73,6 +73,36 @@ def resolve_renderer(model: str, requested: str | None):
 SL_SAVE_RECORDS_BATCH_BEFORE_ITS_STEP = True
 
 
+# tinker-cookbook 0.5.8 ``supervised/train.py`` sets each step's learning rate to
+# ``learning_rate * compute_schedule_lr_multiplier(lr_schedule, step, total_steps)``, a name it
+# imports into its own module; it has no warmup. ``install_lr_warmup`` replaces that name there.
+SL_LR_MULTIPLIER = "compute_schedule_lr_multiplier"
+
+
+def warmup_multiplier(schedule, lr_schedule: str, step: int, total: int, warmup: int) -> float:
+    """The learning-rate multiplier of ``step`` (0-based) of ``total``: ``(step + 1) / warmup``
+    for the first ``warmup`` steps (the last of them at the full rate), then ``schedule`` (the
+    cookbook's multiplier) over the steps left, as if the run started there."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return schedule(lr_schedule, step - warmup, total - warmup)
+
+
+def install_lr_warmup(warmup_steps: int) -> None:
+    """Give the cookbook's supervised loop (in this child process) ``warmup_steps`` of linear
+    warmup before its schedule; nothing changes at 0."""
+    if not warmup_steps:
+        return
+    from tinker_cookbook.supervised import train as sl_train
+
+    schedule = getattr(sl_train, SL_LR_MULTIPLIER)
+
+    def multiplier(lr_schedule, step, total_steps):
+        return warmup_multiplier(schedule, lr_schedule, step, total_steps, warmup_steps)
+
+    setattr(sl_train, SL_LR_MULTIPLIER, multiplier)
+
+
 def install_run_hooks(report, seed: int = 0) -> None:
     """Patch the pinned cookbook, in the recipe's child process only, so that ``train sl``
     resumes exactly, a run's LoRA initialisation follows its ``seed`` (the recipes ask for a
