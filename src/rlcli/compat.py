@@ -450,6 +450,74 @@ def install_cancel_hook(cancel_requested, report) -> None:
     wrap(train_on_policy, sl=False)
 
 
+# ---- DPO: the cookbook's preference/train_dpo (train dpo) -----------------------------------
+#
+# tinker-cookbook 0.5.8's ``preference/train_dpo.py`` is synchronous: ``main`` makes its clients
+# with ``create_dpo_clients(config, service_client, resume_info, user_metadata)`` (a module
+# global), whose reference is ``training_client.save_weights_and_get_sampling_client()``: the
+# weights it starts from. On a resume those are the checkpoint's, so the reference would move
+# to the partly trained policy; ``install_dpo_hooks`` makes it the base model there (what a
+# fresh LoRA, B = 0, computes). The recipe creates its LoRA with the synchronous
+# ``create_lora_training_client`` and no seed (the run hooks seed the async one only), and it
+# logs a step after its update, which is where ``runs cancel`` stops it: the checkpoint saved
+# then records the batch that comes next (``{"epoch", "batch"}``, as the recipe's own periodic
+# saves do before a step). tests/test_compat.py checks these seams.
+
+
+def install_dpo_hooks(seed: int, batches_per_epoch: int) -> None:
+    """In the recipe child of ``train dpo``: the reference on resume, the LoRA seed, and a
+    checkpoint when ``runs cancel`` stops the run (see above)."""
+    import asyncio
+
+    import tinker
+    from tinker_cookbook import checkpoint_utils
+    from tinker_cookbook.preference import train_dpo
+
+    original_create = tinker.ServiceClient.create_lora_training_client
+
+    def create_lora_training_client(self, *args, **kwargs):
+        if kwargs.get("seed") is None and len(args) < 3:
+            kwargs["seed"] = seed
+        return original_create(self, *args, **kwargs)
+
+    tinker.ServiceClient.create_lora_training_client = create_lora_training_client
+
+    original_clients = train_dpo.create_dpo_clients
+
+    def create_dpo_clients(config, service_client, resume_info=None, user_metadata=None):
+        training, reference = original_clients(config, service_client, resume_info, user_metadata)
+        if resume_info is not None and config.load_checkpoint_path is None:
+            reference = service_client.create_sampling_client(base_model=config.model_name)
+        return training, reference
+
+    train_dpo.create_dpo_clients = create_dpo_clients
+
+    managers: list = []
+    original_init = checkpoint_utils.CheckpointManager.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        managers.append(self)
+
+    checkpoint_utils.CheckpointManager.__init__ = init
+    original_main = train_dpo.main
+
+    def main(config, *args, **kwargs):
+        try:
+            return original_main(config, *args, **kwargs)
+        except RunCancelled as cancelled:
+            if not managers:
+                raise
+            done = cancelled.step + 1  # steps applied; the next one's place in its epoch
+            state = {"epoch": done // batches_per_epoch, "batch": done % batches_per_epoch}
+            cancelled.paths = asyncio.run(
+                managers[-1].save_periodic_async(done, {**state, "cancelled": True})
+            )
+            raise
+
+    train_dpo.main = main
+
+
 # ---- Harbor: the cookbook's recipes/harbor_rl with rlcli's sandbox (train harbor, eval rl) ---
 #
 # tinker-cookbook 0.5.7's ``recipes/harbor_rl/harbor_env.py`` imports

@@ -47,6 +47,7 @@ METRICS = {
         # rlcli's torch server: mean |logp_train - logp_sampler| per sampled token, per step
         ("rlcli/logp_diff_mean:mean", "sampler/trainer |dlogp|"),
     ),
+    "dpo": (("dpo_loss", "loss"), ("margin", "margin"), ("accuracy", "accuracy")),
     "opsd": (("teacher_kl", "kl"),),
     "harbor": (("env/all/reward/total", "reward"), ("env/all/test_passed", "passed")),
 }

@@ -17,11 +17,11 @@ from pathlib import Path
 import typer
 
 from rlcli.cli._output import emit, info
-from rlcli.recipes import harbor, opsd, options, preflight, rl, sl
+from rlcli.recipes import dpo, harbor, opsd, options, preflight, rl, sl
 
 app = typer.Typer(
-    help="Train: supervised fine-tuning (sl), RL on an environment (rl), self-distillation (opsd), "
-    "agent RL on Harbor tasks in Docker (harbor).",
+    help="Train: supervised fine-tuning (sl), RL on an environment (rl), preference pairs (dpo), "
+    "self-distillation (opsd), agent RL on Harbor tasks in Docker (harbor).",
     no_args_is_help=True,
 )
 
@@ -210,6 +210,14 @@ options.typer_command(
     lambda opts: _train(rl, opts),
     help="RL on an environment (gsm8k, arithmetic, niah, your own JSONL) with the cookbook's "
     "RL recipe; every loss, fused on the server.",
+)
+options.typer_command(
+    app,
+    "dpo",
+    dpo.DPOOptions,
+    lambda opts: _train(dpo, opts),
+    help="Preference training (DPO) on chosen/rejected pairs, with the cookbook's DPO recipe; "
+    "the reference is the base model.",
 )
 options.typer_command(
     app,

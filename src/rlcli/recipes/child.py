@@ -119,6 +119,11 @@ def _run(folder: Path) -> int:
 
         status("starting: connecting to the server")
         summary = rl.run_in_child(spec)
+    elif spec["recipe"] == "dpo":
+        from rlcli.recipes import dpo
+
+        status("starting: connecting to the server")
+        summary = dpo.run_in_child(spec)
     elif spec["recipe"] == "opsd":
         from rlcli.recipes import opsd
 

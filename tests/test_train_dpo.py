@@ -1,0 +1,59 @@
+"""`rlcli train dpo` on a real server with the tiny model, through the cookbook's DPO recipe:
+the chosen-over-rejected margin rises; TRL's three pair shapes; dry run, resume, bad lines."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_rlcli as run
+
+DEAD_URL = "http://127.0.0.1:9"
+
+
+def pairs_file(path, n: int = 16):
+    """Chosen answers in one voice, rejected in another, in TRL's three shapes."""
+    rows = []
+    for i in range(n):
+        prompt, chosen, rejected = f"Tell me about {i}.", "Arr, a fine number!", f"It is {i}."
+        if i % 3 == 0:
+            rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        elif i % 3 == 1:
+            user = [{"role": "user", "content": prompt}]
+            rows.append({
+                "prompt": user,
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+            })  # fmt: skip
+        else:
+            user = {"role": "user", "content": prompt}
+            rows.append({
+                "chosen": [user, {"role": "assistant", "content": chosen}],
+                "rejected": [user, {"role": "assistant", "content": rejected}],
+            })  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_the_margin_rises_and_a_finished_run_resumes(tmp_path, server, tiny_model):
+    data = pairs_file(tmp_path / "pairs.jsonl")
+    run_dir = tmp_path / "run"
+    args = (
+        "train", "dpo", "--dataset", str(data), "--model", str(tiny_model),
+        "--base-url", server.base_url, "--log-path", str(run_dir), "--batch-size", "4",
+        "--lr", "5e-3", "--lora-rank", "8", "--lr-schedule", "constant", "--json",
+    )  # fmt: skip
+    result = run(*args, "--epochs", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    margins = [r["margin"] for r in rows]
+    assert len(margins) == 12 and abs(margins[0]) < 1e-3  # the policy starts at the reference
+    assert min(margins[-3:]) > 0.5, margins
+    summary = json.loads(result.stdout)
+    assert summary["final_margin"] == margins[-1] and summary["state_path"].startswith("tinker://")
+    assert "step 12/12" in result.stderr and "margin" in result.stderr
+    again = run(*args, "--epochs", "4")  # one more epoch from the final checkpoint
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming in" in again.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == list(range(16))
+    assert rows[12]["margin"] > 0.5  # the reference stayed the base model, not the checkpoint
