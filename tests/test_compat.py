@@ -248,3 +248,19 @@ def test_the_sl_loop_takes_its_learning_rate_from_the_name_warmup_replaces():
     assert getattr(train, SL_LR_MULTIPLIER) is compute_schedule_lr_multiplier
     steps = [warmup_multiplier(compute_schedule_lr_multiplier, "linear", s, 6, 2) for s in range(6)]
     assert steps == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+
+
+def test_the_dpo_recipe_has_the_seams_train_dpo_hooks():
+    import inspect
+
+    from tinker_cookbook.preference import train_dpo
+
+    main = inspect.getsource(train_dpo.main)
+    assert "create_dpo_clients(" in main and "CheckpointManager(" in main
+    assert not inspect.iscoroutinefunction(train_dpo.main)  # the hook wraps a plain function
+    clients = inspect.getsource(train_dpo.create_dpo_clients)
+    assert "save_weights_and_get_sampling_client()" in clients  # the reference it starts from
+    assert "create_lora_training_client(" in clients  # the synchronous one: seeded by the hook
+    update = inspect.getsource(train_dpo.do_update)
+    assert '"epoch": epoch_idx, "batch": batch_idx' in update  # saved before the step
+    assert update.index("forward_backward_custom") < update.index("log_metrics")

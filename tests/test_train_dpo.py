@@ -57,3 +57,50 @@ def test_the_margin_rises_and_a_finished_run_resumes(tmp_path, server, tiny_mode
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == list(range(16))
     assert rows[12]["margin"] > 0.5  # the reference stayed the base model, not the checkpoint
+
+
+def test_dry_run_plans_and_bad_pairs_are_reported_by_line(tmp_path, tiny_model):
+    data = pairs_file(tmp_path / "pairs.jsonl", n=10)
+    base = ("train", "dpo", "--model", str(tiny_model), "--base-url", DEAD_URL, "--dry-run")
+    result = run(*base, "--dataset", str(data), "--batch-size", "4", "--json",
+                 "--log-path", str(tmp_path / "run"))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["pairs"] == 10 and plan["steps"] == 2 and plan["dropped_per_epoch"] == 2
+    assert plan["options"]["beta"] == 0.1 and plan["options"]["lr"] == 1e-5
+    assert not (tmp_path / "run").exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"prompt": "hi", "chosen": "a", "rejected": "a"}\n'
+        '{"prompt": "hi", "chosen": "a"}\n'
+        '{"chosen": [{"role": "user", "content": "x"}], "rejected": "b", "prompt": "p"}\n'
+        '{"prompt": "hi", "chosen": "a", "rejected": "b"}\n'
+    )
+    result = run(*base, "--dataset", str(bad))
+    assert result.returncode == 1 and "3 of 4 lines are not usable preference pairs" in (
+        result.stderr
+    )
+    assert 'line 1: "chosen" and "rejected" are the same' in result.stderr
+    assert 'line 2: no "rejected" field (keys: chosen, prompt)' in result.stderr
+    assert 'line 3: "chosen" and "rejected" are not both strings' in result.stderr
+    result = run(*base, "--dataset", str(data), "--batch-size", "11")
+    assert result.returncode == 1 and "--batch-size 11: larger than the 10 pairs" in result.stderr
+    result = run(*base, "--dataset", str(data), "--beta", "0")
+    assert result.returncode == 1 and "--beta 0.0: must be greater than 0" in result.stderr
+
+
+def test_pairs_become_the_cookbooks_comparisons():
+    from rlcli.data.pairs import to_comparison
+
+    user = {"role": "user", "content": "Q"}
+    system = {"role": "system", "content": "S"}
+    row, problem = to_comparison({
+        "chosen": [system, user, {"role": "assistant", "content": "good"}],
+        "rejected": [system, user, {"role": "assistant", "content": "bad"}],
+    })  # fmt: skip
+    assert problem is None and row["label"] == "A"
+    assert row["comparison"] == {
+        "prompt_conversation": [system, user],
+        "completion_A": [{"role": "assistant", "content": "good"}],
+        "completion_B": [{"role": "assistant", "content": "bad"}],
+    }
