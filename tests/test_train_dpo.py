@@ -104,3 +104,39 @@ def test_pairs_become_the_cookbooks_comparisons():
         "completion_A": [{"role": "assistant", "content": "good"}],
         "completion_B": [{"role": "assistant", "content": "bad"}],
     }
+
+
+def test_runs_cancel_saves_where_the_next_step_starts(tmp_path, server, tiny_model):
+    import subprocess
+    import time
+
+    from conftest import RLCLI
+
+    data = pairs_file(tmp_path / "pairs.jsonl", n=8)
+    run_dir = tmp_path / "run"
+    args = (
+        "train", "dpo", "--dataset", str(data), "--model", str(tiny_model),
+        "--base-url", server.base_url, "--log-path", str(run_dir), "--batch-size", "4",
+        "--lora-rank", "8", "--save-every", "0",
+    )  # fmt: skip
+    env = {"RLCLI_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen(
+        [*RLCLI, *args, "--epochs", "50"], stderr=subprocess.PIPE, text=True,
+        env={**__import__("os").environ, **env},
+    )  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and proc.poll() is None, "no third step"
+        time.sleep(0.2)
+    cancelled = run("runs", "cancel", str(run_dir), "--json", env=env)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert json.loads(cancelled.stdout)["checkpoint"]["state_path"].startswith("tinker://")
+    proc.communicate(timeout=60)
+    done = len(metrics.read_text().splitlines())
+    last = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").open()][-1]
+    assert last["cancelled"] and (last["epoch"], last["batch"]) == divmod(done, 2)
+    again = run(*args, "--epochs", "50", "--max-steps", str(done + 1), env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in metrics.open()]
+    assert steps == list(range(done + 1))  # picked up exactly where it stopped
