@@ -4,7 +4,9 @@
   the assistant's),
 - ``{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`` (conversational),
 - ``{"chosen": [messages], "rejected": [messages]}`` (whole conversations: the messages they
-  share from the start are the prompt, the rest the two completions).
+  share from the start are the prompt, the rest the two completions),
+
+and the cookbook's own rows (below), which is what the run folder keeps and a resume reads.
 
 Each becomes the cookbook's ``LabeledComparison`` row (``{"comparison": {"prompt_conversation",
 "completion_A", "completion_B"}, "label": "A"}``, chosen as A), the format its
@@ -36,6 +38,8 @@ def to_comparison(row) -> tuple[dict | None, str | None]:
     """(the cookbook's labeled comparison row, None), or (None, why this line is not a pair)."""
     if not isinstance(row, dict):
         return None, f"expected a JSON object, got {type(row).__name__}"
+    if "comparison" in row:
+        return _labeled(row)
     missing = [k for k in ("chosen", "rejected") if k not in row]
     if missing:
         keys = ", ".join(sorted(row)) or "none"
@@ -86,6 +90,21 @@ def to_comparison(row) -> tuple[dict | None, str | None]:
         "completion_B": rejected_msgs,
     }
     return {"comparison": comparison, "label": "A"}, None
+
+
+def _labeled(row: dict) -> tuple[dict | None, str | None]:
+    """The cookbook's own row (what the run folder keeps): checked, chosen made A."""
+    comparison, label = row["comparison"], row.get("label")
+    if label not in ("A", "B") or not isinstance(comparison, dict):
+        return None, '"label" is not "A" or "B" (a tie teaches DPO nothing)'
+    parts = {}
+    for field in ("prompt_conversation", "completion_A", "completion_B"):
+        parts[field], problem = _messages(comparison.get(field), f"comparison.{field}")
+        if problem:
+            return None, problem
+    if label == "B":
+        parts["completion_A"], parts["completion_B"] = parts["completion_B"], parts["completion_A"]
+    return {"comparison": parts, "label": "A"}, None
 
 
 def read_pairs(lines: Iterable[str], source: str) -> list[dict]:
