@@ -33,8 +33,9 @@ SCHEDULES = ("constant", "linear", "cosine")
 @dataclass(kw_only=True)
 class DPOOptions(TrainOptions):
     dataset: str = option(
-        help='Preference JSONL: {"prompt", "chosen", "rejected"} strings or message lists, or '
-        '{"chosen": [messages], "rejected": [messages]}; - for stdin.'
+        help='Preference JSONL: {"prompt", "chosen", "rejected"} as strings or message '
+        'lists, or {"chosen", "rejected"} as whole conversations (their shared start is the '
+        "prompt); - for stdin."
     )
     batch_size: int = option(8, "Pairs per step.", min=1)
     lr: float = retune(TrainOptions, "lr", 1e-5)
