@@ -51,6 +51,8 @@ def test_the_margin_rises_and_a_finished_run_resumes(tmp_path, server, tiny_mode
     summary = json.loads(result.stdout)
     assert summary["final_margin"] == margins[-1] and summary["state_path"].startswith("tinker://")
     assert "step 12/12" in result.stderr and "margin" in result.stderr
+    plotted = json.loads(run("runs", "plot", str(run_dir), "--json").stdout)
+    assert [p["label"] for p in plotted["panels"]] == ["loss", "margin", "accuracy"]
     config = ("--config", str(run_dir / "config.yaml"), "--log-path", str(run_dir))
     again = run("train", "dpo", *config, "--epochs", "4")  # one more epoch, from the folder
     assert again.returncode == 0, again.stderr[-3000:]

@@ -349,7 +349,7 @@ def test_a_reward_function_of_the_users_is_learned(tmp_path, server, tiny_model)
     result = run(
         "train", "rl", "--model", str(tiny_model), "--base-url", server.base_url,
         "--dataset", str(data), "--reward", str(tmp_path / "rewards.py") + ":score",
-        "--batch-size", "4", "--group-size", "8", "--max-tokens", "8", "--lr", "2e-2",
+        "--batch-size", "4", "--group-size", "16", "--max-tokens", "8", "--lr", "2e-2",
         "--lora-rank", "8", "--save-every", "0", "--log-path", str(run_dir), "--json",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
