@@ -430,3 +430,31 @@ def test_tables_and_their_refusals(tmp_path, tiny_model, chat_file):
     )
     result = run(*base, "--dataset", str(chat_file), "--warmup-steps", "16", "--batch-size", "8")
     assert result.returncode == 1 and "--warmup-steps 16: the run has 16 steps" in result.stderr
+
+
+def test_lora_alpha_reaches_the_adapter_and_survives_a_resume(
+    tmp_path, server, service, tiny_model, chat_file
+):
+    root = next(
+        p / "checkpoints" for p in Path(server.log_path).parents if (p / "checkpoints").is_dir()
+    )
+    run_dir = tmp_path / "run"
+    args = (
+        "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+        "--base-url", server.base_url, "--log-path", str(run_dir), "--batch-size", "16",
+        "--save-every", "1", "--lora-rank", "8", "--lora-alpha", "64", "--json",
+    )  # fmt: skip
+    for steps in ("2", "3"):  # the second run resumes from the first's checkpoint
+        result = run(*args, "--max-steps", steps)
+        assert result.returncode == 0, result.stderr[-3000:]
+        run_id = json.loads(result.stdout)["state_path"].split("/")[2]
+        assert json.loads((root / run_id / "run.json").read_text())["lora"]["alpha"] == 64
+        saved = json.loads(
+            (root / run_id / "weights" / "final" / "adapter_config.json").read_text()
+        )
+        assert saved["lora_alpha"] == 64 and saved["r"] == 8
+    assert "resuming in" in result.stderr
+    with pytest.raises(Exception, match=r"rlcli_lora_alpha: 'lots' is not a number"):
+        service.create_lora_training_client(
+            str(tiny_model), rank=8, user_metadata={"rlcli_lora_alpha": "lots"}
+        ).result()

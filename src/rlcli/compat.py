@@ -450,6 +450,29 @@ def install_cancel_hook(cancel_requested, report) -> None:
     wrap(train_on_policy, sl=False)
 
 
+def send_lora_alpha(alpha: float | None) -> None:
+    """Every LoRA training client this (child) process creates asks for ``alpha`` (``train
+    --lora-alpha``): in the request's ``user_metadata``, the one free-form field of the 0.38
+    client's create request (its ``LoraConfig`` has no alpha), which rlcli's server reads
+    (``server.schemas.LORA_ALPHA_METADATA``). The recipes pass ``user_metadata`` by keyword."""
+    if alpha is None:
+        return
+    import tinker
+
+    from rlcli.server.schemas import LORA_ALPHA_METADATA
+
+    for name in ("create_lora_training_client", "create_lora_training_client_async"):
+        original = getattr(tinker.ServiceClient, name)
+
+        def create(self, *args, _original=original, **kwargs):
+            if len(args) < 7:  # (base_model, rank, seed, mlp, attn, unembed, user_metadata)
+                metadata = dict(kwargs.get("user_metadata") or {})
+                kwargs["user_metadata"] = {**metadata, LORA_ALPHA_METADATA: repr(float(alpha))}
+            return _original(self, *args, **kwargs)
+
+        setattr(tinker.ServiceClient, name, create)
+
+
 # ---- DPO: the cookbook's preference/train_dpo (train dpo) -----------------------------------
 #
 # tinker-cookbook 0.5.8's ``preference/train_dpo.py`` is synchronous: ``main`` makes its clients

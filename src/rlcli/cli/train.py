@@ -78,6 +78,7 @@ def _check_server(recipe, opts, plan, url: str, source: str) -> str:
     server = preflight.Server(url)
     server.check_model(opts.model)
     server.check_lora_rank(opts.lora_rank)
+    server.check_lora_alpha(opts.lora_alpha)
     return recipe.check_server(server, opts, plan)
 
 
