@@ -458,3 +458,14 @@ def test_lora_alpha_reaches_the_adapter_and_survives_a_resume(
         service.create_lora_training_client(
             str(tiny_model), rank=8, user_metadata={"rlcli_lora_alpha": "lots"}
         ).result()
+
+
+def test_lora_alpha_is_refused_by_a_server_that_does_not_take_one():
+    from rlcli.errors import RlcliError
+    from rlcli.recipes.preflight import Server
+
+    tinker_like = Server.__new__(Server)  # the capabilities a Tinker or SkyRL server answers
+    tinker_like.base_url, tinker_like.caps = "http://tinker.example", {"supported_models": []}
+    tinker_like.check_lora_alpha(None)
+    with pytest.raises(RlcliError, match=r"--lora-alpha 64: the server at http://tinker.example"):
+        tinker_like.check_lora_alpha(64.0)
