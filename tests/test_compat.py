@@ -235,3 +235,33 @@ def test_samples_without_sequence_ids_get_made_up_ones():
     assert len(set(ids)) == 2 and None not in ids
     given = sampling_client._attach_sequence_ids(response, ["a:0", "a:1"])
     assert [s.sequence_id for s in given.sequences] == ["a:0", "a:1"]
+
+
+def test_the_sl_loop_takes_its_learning_rate_from_the_name_warmup_replaces():
+    import inspect
+
+    from tinker_cookbook.supervised import train
+    from tinker_cookbook.utils.lr_scheduling import compute_schedule_lr_multiplier
+
+    from rlcli.compat import SL_LR_MULTIPLIER, warmup_multiplier
+
+    assert f"{SL_LR_MULTIPLIER}(" in inspect.getsource(train.main)
+    assert getattr(train, SL_LR_MULTIPLIER) is compute_schedule_lr_multiplier
+    steps = [warmup_multiplier(compute_schedule_lr_multiplier, "linear", s, 6, 2) for s in range(6)]
+    assert steps == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+
+
+def test_the_dpo_recipe_has_the_seams_train_dpo_hooks():
+    import inspect
+
+    from tinker_cookbook.preference import train_dpo
+
+    main = inspect.getsource(train_dpo.main)
+    assert "create_dpo_clients(" in main and "CheckpointManager(" in main
+    assert not inspect.iscoroutinefunction(train_dpo.main)  # the hook wraps a plain function
+    clients = inspect.getsource(train_dpo.create_dpo_clients)
+    assert "save_weights_and_get_sampling_client()" in clients  # the reference it starts from
+    assert "create_lora_training_client(" in clients  # the synchronous one: seeded by the hook
+    update = inspect.getsource(train_dpo.do_update)
+    assert '"epoch": epoch_idx, "batch": batch_idx' in update  # saved before the step
+    assert update.index("forward_backward_custom") < update.index("log_metrics")

@@ -325,3 +325,93 @@ def test_probe_detects_a_loss_the_server_refuses(server, tiny_model):
     loss_guard._probe(server.base_url, "ppo", "torch", str(tiny_model))  # served: no error
     with pytest.raises(RlcliError, match=r"refused loss 'dppo' \(422\); losses it serves: cross"):
         loss_guard._probe(server.base_url, "dppo", "jax", str(tiny_model))
+
+
+# ---- a reward function of the user's (--reward FILE.py:FUNCTION) ----------------------------
+
+REWARD_PY = '''
+def score(question, answer, limit, **row):
+    """Shorter answers score higher: the tiny policy learns to stop early."""
+    if row.get("explode"):
+        raise ValueError("no reward for " + question)
+    return max(0.0, 1.0 - len(answer) / limit)
+'''
+
+
+@pytest.mark.slow
+def test_a_reward_function_of_the_users_is_learned(tmp_path, server, tiny_model):
+    (tmp_path / "rewards.py").write_text(REWARD_PY)
+    data = tmp_path / "rows.jsonl"
+    rows = [{"question": f"Say something about {i}.", "limit": 40} for i in range(64)]
+    rows[3]["explode"] = True
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    result = run(
+        "train", "rl", "--model", str(tiny_model), "--base-url", server.base_url,
+        "--dataset", str(data), "--reward", str(tmp_path / "rewards.py") + ":score",
+        "--batch-size", "4", "--group-size", "16", "--max-tokens", "8", "--lr", "2e-2",
+        "--lora-rank", "8", "--save-every", "0", "--log-path", str(run_dir), "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rewards = [
+        json.loads(line)["env/all/reward/total"] for line in (run_dir / "metrics.jsonl").open()
+    ]
+    assert len(rewards) == 16
+    assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 0.15, rewards
+    errors = [json.loads(line) for line in (run_dir / "reward_errors.jsonl").open()]
+    assert errors and all(
+        e == {"row": "row-4", "error": "ValueError: no reward for Say something about 3."}
+        for e in errors
+    )
+    summary = json.loads(result.stdout)
+    assert summary["reward_errors"] == len(errors)
+
+
+def test_reward_calls_time_out_fail_by_row_and_bad_specs_are_one_line(tmp_path, tiny_model):
+    from rlcli.envs.reward_fn import Scorer, row_kwargs
+    from rlcli.errors import RlcliError
+
+    (tmp_path / "r.py").write_text(
+        "import time\n"
+        "def score(question, answer, **row):\n"
+        "    print('chatty')  # must not reach the replies\n"
+        "    time.sleep(row.get('sleep', 0))\n"
+        "    return 'high' if row.get('text') else len(answer) + row['reference']\n"
+    )
+    errors = tmp_path / "errors.jsonl"
+    scorer = Scorer(str(tmp_path / "r.py"), "score", 1.0, str(errors))
+    assert row_kwargs({"question": "q", "answer": 2, "x": 1}) == {"reference": 2, "x": 1}
+    assert scorer("row-1", "q", "abc", {"reference": 2}) == (5.0, None)
+    assert scorer("row-2", "q", "a", {"sleep": 30}) == (
+        0.0, "took longer than 1s (--reward-timeout)"
+    )  # fmt: skip
+    assert scorer("row-3", "q", "a", {"text": 1}) == (0.0, "returned str 'high', not a number")
+    assert scorer("row-4", "q", "a", {})[1] == "KeyError: 'reference'"
+    assert scorer("row-5", "q", "ab", {"reference": 1}) == (3.0, None)  # a fresh worker
+    assert [json.loads(line)["row"] for line in errors.open()] == ["row-2", "row-3", "row-4"]
+    scorer.close()
+    (tmp_path / "broken.py").write_text("import no_such_module\ndef score(q, a): return 1\n")
+    with pytest.raises(RlcliError, match="cannot load it .ModuleNotFoundError: No module named"):
+        Scorer(str(tmp_path / "broken.py"), "score", 1.0, None)("row-1", "q", "a", {})
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"question": "1 + 1?"}\n')
+    base = ("train", "rl", "--model", str(tiny_model), "--base-url", DEAD_URL, "--dry-run")
+    refusals = {
+        "r.py": "--reward r.py: expected FILE.py:FUNCTION, e.g. rewards.py:score",
+        "nope.py:score": "--reward nope.py:score: no such file nope.py",
+        "r.py:grade": "r.py defines no 'grade' (top-level names: score, time)",
+    }
+    for spec, expected in refusals.items():
+        result = run(*base, "--dataset", str(data), "--reward", spec, cwd=tmp_path)
+        assert result.returncode == 1 and expected in result.stderr, result.stderr
+    (tmp_path / "bad.py").write_text("def score(:\n")
+    result = run(*base, "--dataset", str(data), "--reward", "bad.py:score", cwd=tmp_path)
+    assert "--reward bad.py:score: bad.py line 1: " in result.stderr
+    result = run(*base, "--dataset", "arithmetic", "--reward", "r.py:score", cwd=tmp_path)
+    assert 'needs a JSONL --dataset of {"question", ...} rows; arithmetic grades' in (result.stderr)
+    result = run(*base, "--dataset", str(data), "--reward", "r.py:score", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["reward"] == f"{tmp_path / 'r.py'}:score" == plan["options"]["reward"]
+    assert plan["train_problems"] == 1  # a row needs no "answer" with a reward function

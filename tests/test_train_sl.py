@@ -347,3 +347,143 @@ def test_wandb_flag_without_the_package_names_the_extra(tiny_model, chat_file):
     assert result.stderr.strip() == (
         "error: --wandb-project/--wandb-name need the wandb package: pip install 'rlcli[wandb]'"
     )
+
+
+# ---- the knobs: schedule, warmup, periodic held-out loss, what is trained, tables -------------
+
+
+def test_schedule_warmup_eval_every_and_train_on_reach_a_parquet_run(
+    tmp_path, server, tiny_model, chat_file
+):
+    import datasets
+
+    rows = [json.loads(line) for line in chat_file.read_text().splitlines()[:40]]
+    folder = tmp_path / "table"
+    folder.mkdir()
+    datasets.Dataset.from_list(rows[:20]).to_parquet(str(folder / "part-0.parquet"))
+    datasets.Dataset.from_list(rows[20:]).to_parquet(str(folder / "part-1.parquet"))
+    run_dir = tmp_path / "run"
+    result = run(
+        "train", "sl", "--dataset", str(folder), "--model", str(tiny_model),
+        "--base-url", server.base_url, "--log-path", str(run_dir), "--batch-size", "8",
+        "--test-size", "0.2", "--eval-every", "2", "--lr", "1e-3", "--lr-schedule", "cosine",
+        "--warmup-steps", "2", "--train-on", "last", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    # 32 train conversations / 8 = 4 steps: warmup 1/2, 2/2, then cosine over the 2 left
+    assert [m["learning_rate"] for m in metrics] == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4])
+    assert [m["step"] for m in metrics if "test/nll" in m] == [0, 2]  # before steps 0 and 2
+    assert "held-out" in result.stderr and "lr 0.0005" in result.stderr
+    assert json.loads(result.stdout)["held_out_loss"] > 0  # and once more at the end
+    cookbook = json.loads((run_dir / "config.json").read_text())  # the recipe's own record
+    assert cookbook["lr_schedule"] == "cosine"
+    assert cookbook["dataset_builder"]["common_config"]["train_on_what"] == (
+        "last_assistant_message"
+    )
+    kept = run_dir / "dataset.jsonl"  # the table's rows, kept for resume like stdin's
+    assert [json.loads(line) for line in kept.open()] == [
+        {"messages": [{"role": m["role"], "content": m["content"]} for m in r["messages"]]}
+        for r in rows
+    ]
+    assert f"dataset: {kept}" in (run_dir / "config.yaml").read_text()
+    shown = run("runs", "show", str(run_dir))
+    assert "last measured" in shown.stdout and "held-out loss (step 2)" in shown.stdout
+    plotted = json.loads(run("runs", "plot", str(run_dir), "--json").stdout)
+    assert "held-out loss" in [p["label"] for p in plotted["panels"]]
+
+
+def test_train_on_last_puts_weight_on_the_last_assistant_message_only(tmp_path, tiny_model):
+    from rlcli.recipes import sl
+
+    turns = ["Hi.", "Hello there, how can I help?", "Name a colour.", "Blue."]
+    chat = [
+        {"role": r, "content": t} for r, t in zip(["user", "assistant"] * 2, turns, strict=True)
+    ]
+    data = tmp_path / "multi.jsonl"
+    data.write_text(json.dumps({"messages": chat}) + "\n")
+    weights = {}
+    for train_on in sl.TRAIN_ON:
+        opts = sl.SLOptions(
+            model=str(tiny_model), dataset=str(data), batch_size=1, train_on=train_on
+        )
+        plan = {"dataset_path": str(data), "held_out": 0, "renderer": "qwen3_instruct"}
+        plan["run_dir"] = str(tmp_path / "run")
+        options = sl.saved(opts)
+        train_ds, _ = sl.cookbook_config({"options": options, "plan": plan}).dataset_builder()
+        (datum,) = train_ds.get_batch(0)
+        weights[train_on] = datum.loss_fn_inputs["weights"].to_numpy().sum()
+    assert 0 < weights["last"] < weights["all-assistant"]
+
+
+def test_tables_and_their_refusals(tmp_path, tiny_model, chat_file):
+    import datasets
+
+    rows = [json.loads(line) for line in chat_file.read_text().splitlines()[:16]]
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(rows).save_to_disk(str(saved))  # an arrow folder
+    base = ("train", "sl", "--model", str(tiny_model), "--base-url", DEAD_URL, "--dry-run")
+    result = run(*base, "--dataset", str(saved), "--json", "--batch-size", "4")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["examples"] == 16
+    bad = tmp_path / "bad.parquet"
+    datasets.Dataset.from_list([{"prompt": "hi", "completion": "hello"}]).to_parquet(str(bad))
+    result = run(*base, "--dataset", str(bad))
+    assert result.returncode == 1 and 'line 1: no "messages" field' in result.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run(*base, "--dataset", str(empty))
+    assert result.returncode == 1 and "a folder with no parquet or arrow files" in result.stderr
+    offline = {"HF_ENDPOINT": DEAD_URL, "HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": ""}
+    started = time.monotonic()
+    result = run(*base, "--dataset", "someone/chats:train", env=offline)
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert "--dataset someone/chats:train: no such file here, and the Hugging Face hub is " in (
+        result.stderr
+    )
+    assert time.monotonic() - started < 30
+    result = run(*base, "--dataset", str(chat_file), "--eval-every", "2")
+    assert result.returncode == 1 and "--eval-every 2: hold some conversations out" in (
+        result.stderr
+    )
+    result = run(*base, "--dataset", str(chat_file), "--warmup-steps", "16", "--batch-size", "8")
+    assert result.returncode == 1 and "--warmup-steps 16: the run has 16 steps" in result.stderr
+
+
+def test_lora_alpha_reaches_the_adapter_and_survives_a_resume(
+    tmp_path, server, service, tiny_model, chat_file
+):
+    root = next(
+        p / "checkpoints" for p in Path(server.log_path).parents if (p / "checkpoints").is_dir()
+    )
+    run_dir = tmp_path / "run"
+    args = (
+        "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+        "--base-url", server.base_url, "--log-path", str(run_dir), "--batch-size", "16",
+        "--save-every", "1", "--lora-rank", "8", "--lora-alpha", "64", "--json",
+    )  # fmt: skip
+    for steps in ("2", "3"):  # the second run resumes from the first's checkpoint
+        result = run(*args, "--max-steps", steps)
+        assert result.returncode == 0, result.stderr[-3000:]
+        run_id = json.loads(result.stdout)["state_path"].split("/")[2]
+        assert json.loads((root / run_id / "run.json").read_text())["lora"]["alpha"] == 64
+        saved = json.loads(
+            (root / run_id / "weights" / "final" / "adapter_config.json").read_text()
+        )
+        assert saved["lora_alpha"] == 64 and saved["r"] == 8
+    assert "resuming in" in result.stderr
+    with pytest.raises(Exception, match=r"rlcli_lora_alpha: 'lots' is not a number"):
+        service.create_lora_training_client(
+            str(tiny_model), rank=8, user_metadata={"rlcli_lora_alpha": "lots"}
+        ).result()
+
+
+def test_lora_alpha_is_refused_by_a_server_that_does_not_take_one():
+    from rlcli.errors import RlcliError
+    from rlcli.recipes.preflight import Server
+
+    tinker_like = Server.__new__(Server)  # the capabilities a Tinker or SkyRL server answers
+    tinker_like.base_url, tinker_like.caps = "http://tinker.example", {"supported_models": []}
+    tinker_like.check_lora_alpha(None)
+    with pytest.raises(RlcliError, match=r"--lora-alpha 64: the server at http://tinker.example"):
+        tinker_like.check_lora_alpha(64.0)

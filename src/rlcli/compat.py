@@ -130,6 +130,36 @@ def _agreement(name: str, tokenizer) -> str:
 SL_SAVE_RECORDS_BATCH_BEFORE_ITS_STEP = True
 
 
+# tinker-cookbook 0.5.8 ``supervised/train.py`` sets each step's learning rate to
+# ``learning_rate * compute_schedule_lr_multiplier(lr_schedule, step, total_steps)``, a name it
+# imports into its own module; it has no warmup. ``install_lr_warmup`` replaces that name there.
+SL_LR_MULTIPLIER = "compute_schedule_lr_multiplier"
+
+
+def warmup_multiplier(schedule, lr_schedule: str, step: int, total: int, warmup: int) -> float:
+    """The learning-rate multiplier of ``step`` (0-based) of ``total``: ``(step + 1) / warmup``
+    for the first ``warmup`` steps (the last of them at the full rate), then ``schedule`` (the
+    cookbook's multiplier) over the steps left, as if the run started there."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return schedule(lr_schedule, step - warmup, total - warmup)
+
+
+def install_lr_warmup(warmup_steps: int) -> None:
+    """Give the cookbook's supervised loop (in this child process) ``warmup_steps`` of linear
+    warmup before its schedule; nothing changes at 0."""
+    if not warmup_steps:
+        return
+    from tinker_cookbook.supervised import train as sl_train
+
+    schedule = getattr(sl_train, SL_LR_MULTIPLIER)
+
+    def multiplier(lr_schedule, step, total_steps):
+        return warmup_multiplier(schedule, lr_schedule, step, total_steps, warmup_steps)
+
+    setattr(sl_train, SL_LR_MULTIPLIER, multiplier)
+
+
 def install_run_hooks(report, seed: int = 0) -> None:
     """Patch the pinned cookbook, in the recipe's child process only, so that ``train sl``
     resumes exactly, a run's LoRA initialisation follows its ``seed`` (the recipes ask for a
@@ -492,6 +522,97 @@ def install_cancel_hook(cancel_requested, report) -> None:
     wrap(sl_train, sl=True)
     wrap(rl_train, sl=False)
     wrap(train_on_policy, sl=False)
+
+
+def send_lora_alpha(alpha: float | None) -> None:
+    """Every LoRA training client this (child) process creates asks for ``alpha`` (``train
+    --lora-alpha``): in the request's ``user_metadata``, the one free-form field of the 0.38
+    client's create request (its ``LoraConfig`` has no alpha), which rlcli's server reads
+    (``server.schemas.LORA_ALPHA_METADATA``). The recipes pass ``user_metadata`` by keyword."""
+    if alpha is None:
+        return
+    import tinker
+
+    from rlcli.server.schemas import LORA_ALPHA_METADATA
+
+    for name in ("create_lora_training_client", "create_lora_training_client_async"):
+        original = getattr(tinker.ServiceClient, name)
+
+        def create(self, *args, _original=original, **kwargs):
+            if len(args) < 7:  # (base_model, rank, seed, mlp, attn, unembed, user_metadata)
+                metadata = dict(kwargs.get("user_metadata") or {})
+                kwargs["user_metadata"] = {**metadata, LORA_ALPHA_METADATA: repr(float(alpha))}
+            return _original(self, *args, **kwargs)
+
+        setattr(tinker.ServiceClient, name, create)
+
+
+# ---- DPO: the cookbook's preference/train_dpo (train dpo) -----------------------------------
+#
+# tinker-cookbook 0.5.8's ``preference/train_dpo.py`` is synchronous: ``main`` makes its clients
+# with ``create_dpo_clients(config, service_client, resume_info, user_metadata)`` (a module
+# global), whose reference is ``training_client.save_weights_and_get_sampling_client()``: the
+# weights it starts from. On a resume those are the checkpoint's, so the reference would move
+# to the partly trained policy; ``install_dpo_hooks`` makes it the base model there (what a
+# fresh LoRA, B = 0, computes). The recipe creates its LoRA with the synchronous
+# ``create_lora_training_client`` and no seed (the run hooks seed the async one only), and it
+# logs a step after its update, which is where ``runs cancel`` stops it: the checkpoint saved
+# then records the batch that comes next (``{"epoch", "batch"}``, as the recipe's own periodic
+# saves do before a step). tests/test_compat.py checks these seams.
+
+
+def install_dpo_hooks(seed: int, batches_per_epoch: int) -> None:
+    """In the recipe child of ``train dpo``: the reference on resume, the LoRA seed, and a
+    checkpoint when ``runs cancel`` stops the run (see above)."""
+    import asyncio
+
+    import tinker
+    from tinker_cookbook import checkpoint_utils
+    from tinker_cookbook.preference import train_dpo
+
+    original_create = tinker.ServiceClient.create_lora_training_client
+
+    def create_lora_training_client(self, *args, **kwargs):
+        if kwargs.get("seed") is None and len(args) < 3:
+            kwargs["seed"] = seed
+        return original_create(self, *args, **kwargs)
+
+    tinker.ServiceClient.create_lora_training_client = create_lora_training_client
+
+    original_clients = train_dpo.create_dpo_clients
+
+    def create_dpo_clients(config, service_client, resume_info=None, user_metadata=None):
+        training, reference = original_clients(config, service_client, resume_info, user_metadata)
+        if resume_info is not None and config.load_checkpoint_path is None:
+            reference = service_client.create_sampling_client(base_model=config.model_name)
+        return training, reference
+
+    train_dpo.create_dpo_clients = create_dpo_clients
+
+    managers: list = []
+    original_init = checkpoint_utils.CheckpointManager.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        managers.append(self)
+
+    checkpoint_utils.CheckpointManager.__init__ = init
+    original_main = train_dpo.main
+
+    def main(config, *args, **kwargs):
+        try:
+            return original_main(config, *args, **kwargs)
+        except RunCancelled as cancelled:
+            if not managers:
+                raise
+            done = cancelled.step + 1  # steps applied; the next one's place in its epoch
+            state = {"epoch": done // batches_per_epoch, "batch": done % batches_per_epoch}
+            cancelled.paths = asyncio.run(
+                managers[-1].save_periodic_async(done, {**state, "cancelled": True})
+            )
+            raise
+
+    train_dpo.main = main
 
 
 # ---- Harbor: the cookbook's recipes/harbor_rl with rlcli's sandbox (train harbor, eval rl) ---

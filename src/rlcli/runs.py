@@ -47,6 +47,7 @@ METRICS = {
         # rlcli's torch server: mean |logp_train - logp_sampler| per sampled token, per step
         ("rlcli/logp_diff_mean:mean", "sampler/trainer |dlogp|"),
     ),
+    "dpo": (("dpo_loss", "loss"), ("margin", "margin"), ("accuracy", "accuracy")),
     "opsd": (("teacher_kl", "kl"),),
     "harbor": (("env/all/reward/total", "reward"), ("env/all/test_passed", "passed")),
 }
@@ -159,6 +160,18 @@ def metric_rows(run_dir: Path) -> list[dict]:
     return read_rows(run_dir / "metrics.jsonl", 0)[0]
 
 
+def last_measured(rows: list[dict], kind: str | None) -> dict:
+    """The last value of each metric the kind is judged by, with its step: a metric measured
+    only some steps (the held-out loss of ``--eval-every``) is often not in the last row."""
+    out = {}
+    for key, label in METRICS.get(kind or "", ()):
+        for row in reversed(rows):
+            if isinstance(row.get(key), int | float):
+                out[label] = {"step": row.get("step"), "value": row[key]}
+                break
+    return out
+
+
 def state(run_dir: Path) -> dict:
     """One run's summary: what ``runs list`` shows a line of."""
     run_dir = Path(run_dir)
@@ -249,6 +262,7 @@ def show(run_dir: Path) -> dict:
         **out,
         "config": config,
         "last_metrics": rows[-1] if rows else None,
+        "last_measured": last_measured(rows, out["kind"]),
         "checkpoints": read_rows(run_dir / "checkpoints.jsonl", 0)[0],
         "summary": _json(run_dir / SUMMARY) or None,
         "logs": logs,

@@ -120,6 +120,13 @@ def _print_show(shown: dict) -> None:
     if shown["last_metrics"]:
         last = {k: v for k, v in shown["last_metrics"].items() if not k.startswith("time/")}
         typer.echo("\nlast metrics\n" + _plain_pairs(last, indent="  "))
+    earlier = {
+        f"{label} (step {m['step']})": m["value"]
+        for label, m in shown.get("last_measured", {}).items()
+        if m["step"] != (shown["last_metrics"] or {}).get("step")
+    }
+    if earlier:
+        typer.echo("\nlast measured\n" + _plain_pairs(earlier, indent="  "))
     if shown["checkpoints"]:
         table = [
             {

@@ -17,11 +17,11 @@ from pathlib import Path
 import typer
 
 from rlcli.cli._output import emit, info
-from rlcli.recipes import harbor, opsd, options, preflight, rl, sl
+from rlcli.recipes import dpo, harbor, opsd, options, preflight, rl, sl
 
 app = typer.Typer(
-    help="Train: supervised fine-tuning (sl), RL on an environment (rl), self-distillation (opsd), "
-    "agent RL on Harbor tasks in Docker (harbor).",
+    help="Train: supervised fine-tuning (sl), RL on an environment (rl), preference pairs (dpo), "
+    "self-distillation (opsd), agent RL on Harbor tasks in Docker (harbor).",
     no_args_is_help=True,
 )
 
@@ -86,6 +86,7 @@ def _check_server(recipe, opts, plan, url: str, source: str) -> str:
     server = preflight.Server(url)
     server.check_model(opts.model)
     server.check_lora_rank(opts.lora_rank)
+    server.check_lora_alpha(opts.lora_alpha)
     return recipe.check_server(server, opts, plan)
 
 
@@ -218,6 +219,14 @@ options.typer_command(
     lambda opts: _train(rl, opts),
     help="RL on an environment (gsm8k, arithmetic, niah, your own JSONL) with the cookbook's "
     "RL recipe; every loss, fused on the server.",
+)
+options.typer_command(
+    app,
+    "dpo",
+    dpo.DPOOptions,
+    lambda opts: _train(dpo, opts),
+    help="Preference training (DPO) on chosen/rejected pairs, with the cookbook's DPO recipe; "
+    "the reference is the base model.",
 )
 options.typer_command(
     app,

@@ -35,12 +35,19 @@ def get(
     gsm8k_dir: str | None = None,
     harbor: bool = False,
     task_filter: str | None = None,
+    reward: dict | None = None,
 ) -> Environment:
     """The environment ``spec`` names; one line naming ``flag`` if it names none.
 
     ``gsm8k_dir``: GSM8K's folder (``--gsm8k-dir``; else ``$RLCLI_GSM8K_DIR``, else the hub).
     ``harbor``: Harbor tasks are an environment here (``eval rl``), kept to ``task_filter``.
+    ``reward``: a user's reward function for a JSONL file (``JsonlFile``); refused elsewhere.
     """
+    if reward and spec.partition(":")[0] in NAMES:
+        raise RlcliError(
+            f'--reward: needs a JSONL --dataset of {{"question", ...}} rows; {spec} grades '
+            "its own answers"
+        )
     name, _, params = spec.partition(":")
     if name in NAMES:
         settings = _params(params, spec, flag)
@@ -76,7 +83,7 @@ def get(
     if path.is_file():
         from rlcli.envs.jsonl import JsonlFile
 
-        return JsonlFile(path, flag)
+        return JsonlFile(path, flag, reward)
     if path.suffix == ".jsonl" or "/" in spec:
         raise RlcliError(f"{flag} {spec}: no such file")
     raise RlcliError(f"{flag} {spec}: unknown environment; use {usage}")

@@ -2,7 +2,10 @@
 optional ``"id"``), graded by numeric match when the answer is a number and by normalised exact
 match otherwise (``answer.py``). Every bad line is reported by number when the environment is
 made, before any server work. A file is one split: ``train rl`` trains on it and ``eval rl``
-scores it (hold out your own file for evaluation)."""
+scores it (hold out your own file for evaluation).
+
+With a reward function of the user's (``train rl --reward``, ``reward_fn.py``) a row needs only
+its ``"question"``; every other field is the function's, and it grades the answers instead."""
 
 from __future__ import annotations
 
@@ -43,14 +46,33 @@ def to_problem(row) -> tuple[dict | None, str | None]:
     return out, None
 
 
+def to_scored_problem(row) -> tuple[dict | None, str | None]:
+    """A row for a ``--reward`` function: a question, and any fields it wants."""
+    if not isinstance(row, dict):
+        return None, f"expected a JSON object, got {type(row).__name__}"
+    question = row.get("question")
+    if not isinstance(question, str) or not question.strip():
+        keys = ", ".join(sorted(row)) or "none"
+        return None, f'"question" is not a non-empty string (keys: {keys})'
+    out = {"question": question, "fields": row}
+    if "id" in row:
+        out["id"] = str(row["id"])
+    return out, None
+
+
 class JsonlFile(Environment):
     name = "jsonl"
 
-    def __init__(self, path: Path, flag: str = "--env") -> None:
-        self.path = path.expanduser().resolve()
+    def __init__(self, path: Path, flag: str = "--env", reward: dict | None = None) -> None:
+        """``reward``: the user's function (``{"path", "name", "timeout", "errors_path"}``)
+        grades the answers instead of the rows' ``"answer"``."""
+        self.path, self.reward = path.expanduser().resolve(), reward
+        parse, what = to_problem, '{"question", "answer"} rows'
+        if reward:
+            parse, what = to_scored_problem, '{"question", ...} rows'
         try:
             with self.path.open() as f:
-                rows = read_jsonl(f, f"{flag} {path}", to_problem, '{"question", "answer"} rows')
+                rows = read_jsonl(f, f"{flag} {path}", parse, what)
         except OSError as e:
             from rlcli.errors import RlcliError
 
@@ -75,6 +97,11 @@ class JsonlFile(Environment):
         return self._rows
 
     def make_env(self, row: dict, renderer):
+        if self.reward:
+            from rlcli.envs.reward_env import RewardFnEnv
+            from rlcli.envs.reward_fn import scorer
+
+            return RewardFnEnv(row, renderer, scorer(**self.reward))
         from rlcli.envs.answer import AnswerEnv
 
         return AnswerEnv(row["question"], row["answer"], renderer)

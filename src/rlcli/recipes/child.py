@@ -112,6 +112,7 @@ def _run(folder: Path) -> int:
     compat.install_run_hooks(report, seed=int((spec.get("options") or {}).get("seed") or 0))
     compat.release_adapters_at_exit()  # SkyRL holds a LoRA slot per client until its timeout
     compat.accept_unnumbered_samples()  # SkyRL answers samples the 0.25 way
+    compat.send_lora_alpha((spec.get("options") or {}).get("lora_alpha"))
     if spec["recipe"] == "sl":
         from rlcli.recipes import sl
 
@@ -122,6 +123,11 @@ def _run(folder: Path) -> int:
 
         status("starting: connecting to the server")
         summary = rl.run_in_child(spec)
+    elif spec["recipe"] == "dpo":
+        from rlcli.recipes import dpo
+
+        status("starting: connecting to the server")
+        summary = dpo.run_in_child(spec)
     elif spec["recipe"] == "opsd":
         from rlcli.recipes import opsd
 

@@ -53,9 +53,19 @@ class EnvDatasetBuilder(RLDatasetBuilder):
     data_dir: str | None = None  # GSM8K's folder (None: $RLCLI_GSM8K_DIR, else the hub)
     eval_size: int = 0  # test problems for evaluation (0: no test set)
     seed: int = 0
+    reward: str | None = None  # a user's FILE.py:FUNCTION grading a JSONL (envs/reward_fn.py)
+    reward_timeout: float = 10.0
+    reward_errors_path: str | None = None
 
     async def __call__(self):
-        env = envs.get(self.dataset, flag="--dataset", gsm8k_dir=self.data_dir)
+        reward = None
+        if self.reward:
+            path, _, name = self.reward.rpartition(":")
+            reward = {
+                "path": path, "name": name, "timeout": self.reward_timeout,
+                "errors_path": self.reward_errors_path,
+            }  # fmt: skip
+        env = envs.get(self.dataset, flag="--dataset", gsm8k_dir=self.data_dir, reward=reward)
         renderer = renderers.get_renderer(
             self.renderer_name, tokenizer=get_tokenizer(self.model_name_for_tokenizer)
         )

@@ -75,6 +75,12 @@ class TrainOptions:
     )
     renderer: str | None = option(None, "Chat renderer (default: recommended for the model).")
     lora_rank: int = option(32, "LoRA rank.", min=1)
+    lora_alpha: float | None = option(
+        None,
+        "LoRA alpha: updates scale by alpha/rank (default: the server's, 32 on Tinker and on "
+        "rlcli's server). rlcli's torch server only: the Tinker API carries no alpha.",
+        gt=0,
+    )
     lr: float = option(1e-4, "Learning rate.", flags=("--learning-rate",), gt=0)
     save_every: int = option(20, "Checkpoint every N steps (0: only at the end).", min=0)
     max_steps: int | None = option(None, "Stop after this many steps.", min=1)

@@ -112,6 +112,15 @@ class Server:
                 "(rlcli serve start --max-lora-rank)"
             )
 
+    def check_lora_alpha(self, alpha: float | None) -> None:
+        """Only a server that says it takes one (rlcli's torch server) gets an alpha: the
+        Tinker API has no field for it, and another server would drop it without a word."""
+        if alpha is not None and not self.caps.get("lora_alpha"):
+            raise RlcliError(
+                f"--lora-alpha {alpha:g}: the server at {self.base_url} takes no LoRA alpha "
+                "(the Tinker API has none; rlcli's torch server does); leave it out"
+            )
+
     def check_max_tokens(self, max_tokens: int) -> None:
         top = self.caps.get("max_sample_tokens")
         if isinstance(top, int) and max_tokens > top:

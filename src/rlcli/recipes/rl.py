@@ -16,6 +16,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rlcli.envs.reward_fn import ERRORS_FILE
 from rlcli.errors import RlcliError
 from rlcli.recipes.options import (
     PolicyOptions,
@@ -52,6 +53,15 @@ class RLOptions(PolicyOptions):
     batch_size: int = option(64, "Problems per step.", min=1)
     lr: float = retune(TrainOptions, "lr", 4e-5)
     eval_size: int = option(200, "Test problems per evaluation.", min=1)
+    reward: str | None = option(
+        None,
+        "Your reward for a JSONL --dataset: FILE.py:FUNCTION, called FUNCTION(question, answer, "
+        "**row) -> float on each sampled answer (row: the row's other fields, its answer as "
+        "reference=); replaces the built-in grading.",
+    )
+    reward_timeout: float = option(
+        10.0, "Seconds one --reward call may take; a slower one scores 0 and is reported.", gt=0
+    )
 
 
 @dataclass
@@ -69,6 +79,7 @@ class RLPlan:
     renderer: str
     renderer_source: str
     resuming: bool
+    reward: str | None = None  # FILE.py:FUNCTION, the file's absolute path
 
 
 def parse_loss_config(raw: str | None) -> dict | None:
@@ -119,7 +130,16 @@ def prepare(opts: RLOptions, stdin=None, dry_run: bool = False) -> tuple[RLPlan,
     from rlcli.compat import resolve_renderer
 
     config = check_policy_flags(opts)
-    env = envs.get(opts.dataset, flag="--dataset", gsm8k_dir=opts.gsm8k_dir)
+    reward = None
+    if opts.reward:
+        from rlcli.envs.reward_fn import check_spec
+
+        path, name = check_spec(opts.reward)
+        reward = {"path": str(path), "name": name, "timeout": opts.reward_timeout}
+    env = envs.get(
+        opts.dataset, flag="--dataset", gsm8k_dir=opts.gsm8k_dir,
+        reward=reward and {**reward, "errors_path": None},
+    )  # fmt: skip
     if env.generated:  # one pass is the environment's own number of batches
         train_rows, test_rows = env.train_batches * opts.batch_size, opts.eval_size
     elif env.name == "gsm8k" and env.folder is None:  # the hub: counted, not downloaded
@@ -154,6 +174,7 @@ def prepare(opts: RLOptions, stdin=None, dry_run: bool = False) -> tuple[RLPlan,
         renderer=renderer,
         renderer_source=source,
         resuming=(run_dir / "checkpoints.jsonl").exists(),
+        reward=f"{reward['path']}:{reward['name']}" if reward else None,
     )
     return plan, None
 
@@ -192,6 +213,7 @@ def resolved(opts: RLOptions, plan: RLPlan, base_url: str) -> RLOptions:
     return dataclasses.replace(
         opts, base_url=base_url, renderer=plan.renderer, dataset=plan.dataset,
         gsm8k_dir=plan.data_source if gsm8k else None, log_path=plan.run_dir,
+        reward=plan.reward,
     )  # fmt: skip
 
 
@@ -218,6 +240,9 @@ def cookbook_config(spec: dict):
         data_dir=opts["gsm8k_dir"],
         eval_size=opts["eval_size"] if opts["eval_every"] else 0,
         seed=opts["seed"],
+        reward=opts.get("reward"),
+        reward_timeout=opts.get("reward_timeout", 10.0),
+        reward_errors_path=str(Path(plan["run_dir"]) / ERRORS_FILE),
     )
     return policy_config(spec, builder, "rlcli_rl")
 
@@ -304,6 +329,13 @@ def run_in_child(spec: dict) -> dict:
     config = cookbook_config(spec)
     seed_sampling(spec["options"]["seed"])
     asyncio.run(train.main(config))
+    if spec["options"].get("reward"):  # the user's function grades: no accuracy
+        summary = policy_summary(config, {})
+        errors = Path(config.log_path) / ERRORS_FILE
+        if errors.exists():
+            summary["reward_errors"] = len(errors.read_text().splitlines())
+            summary["reward_errors_file"] = str(errors)
+        return summary
     return policy_summary(
         config, {"final_accuracy": ACCURACY, "test_accuracy": "test/env/all/correct"}
     )
@@ -328,7 +360,8 @@ def policy_summary(config, last_values: dict[str, str]) -> dict:
 
 
 COMMAND = "rlcli train rl"
-SHOW = {REWARD: "reward", ACCURACY: "acc", LOGP_DIFF: "dlogp"}
+REWARD_ERRORS = "env/all/reward_error"  # --reward: the share of calls that failed, per step
+SHOW = {REWARD: "reward", ACCURACY: "acc", LOGP_DIFF: "dlogp", REWARD_ERRORS: "reward errors"}
 TOKENS_KEY = SAMPLED_TOKENS
 
 

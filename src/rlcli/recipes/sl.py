@@ -22,16 +22,37 @@ from rlcli.recipes.options import TrainOptions, option, resume_command, retune, 
 from rlcli.recipes.runner import default_run_dir, metric_values
 
 DATASET_FILE = "dataset.jsonl"
+SCHEDULES = ("constant", "linear", "cosine")  # the cookbook's LRSchedule
+TRAIN_ON = {"all-assistant": "all_assistant_messages", "last": "last_assistant_message"}
 
 
 @dataclass(kw_only=True)
 class SLOptions(TrainOptions):
-    dataset: str = option(help="Chat JSONL ({'messages': [...]}) or - for stdin.")
+    dataset: str = option(
+        help="Chat JSONL ({'messages': [...]}), - for stdin, a parquet/arrow file or folder, "
+        "or a Hugging Face dataset id (NAME or NAME:SPLIT; rows with a messages column)."
+    )
     batch_size: int = option(8, "Conversations per step.", min=1)
     lr: float = retune(TrainOptions, "lr", 1e-4)
+    lr_schedule: str = option(
+        "linear",
+        "How the learning rate falls after warmup: to 0 in a line or a cosine, or not at all.",
+        choices=SCHEDULES,
+    )
+    warmup_steps: int = option(
+        0, "Raise the learning rate linearly to --lr over the first N steps.", min=0
+    )
+    train_on: str = option(
+        "all-assistant",
+        "Tokens with a loss: every assistant message, or the last one only.",
+        choices=tuple(TRAIN_ON),
+    )
     max_length: int = option(2048, "Truncate conversations to this many tokens.", min=8)
     epochs: int = option(1, "Passes over the data.", min=1)
     test_size: float = option(0.0, "Fraction of conversations held out (0-1).", min=0, lt=1)
+    eval_every: int = option(
+        0, "Held-out loss every N steps too (needs --test-size; 0: at the end only).", min=0
+    )
 
 
 @dataclass
@@ -65,7 +86,13 @@ def load_dataset(opts: SLOptions, run_dir: Path, stdin) -> tuple[list[dict], Pat
     check has passed, so a bad stream or a refused run leaves nothing behind. A resumed run
     with nothing on stdin reuses that copy.
     """
+    from rlcli.data import tables
+
     kept = run_dir / DATASET_FILE
+    if tables.is_table(opts.dataset):  # read through `datasets`, kept like stdin
+        rows, source = tables.read_rows(opts.dataset)
+        lines = (json.dumps(row, ensure_ascii=False, default=str) for row in rows)
+        return read_conversations(lines, f"--dataset {source} (row N is line N)"), kept
     if opts.dataset == "-":
         if kept.exists() and (stdin is None or stdin.isatty()):  # a resume: the kept copy
             text = ""
@@ -82,9 +109,12 @@ def load_dataset(opts: SLOptions, run_dir: Path, stdin) -> tuple[list[dict], Pat
 
 
 def keep_stdin(opts: SLOptions, plan: SLPlan, conversations: list[dict]) -> None:
-    """Write stdin's conversations into the run folder (atomically) for the recipe and resume."""
+    """Write stdin's (or a table's) conversations into the run folder (atomically) for the
+    recipe and resume."""
     kept = Path(plan.dataset_path)
-    if opts.dataset != "-" or kept.exists() and _same_rows(kept, conversations):
+    if kept.name != DATASET_FILE or kept.parent != Path(plan.run_dir):
+        return  # a JSONL file the recipe reads where it is
+    if kept.exists() and _same_rows(kept, conversations):
         return
     kept.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=kept.parent, prefix=".dataset.")
@@ -105,6 +135,10 @@ def prepare(opts: SLOptions, stdin=None, dry_run: bool = False) -> tuple[SLPlan,
 
     check_model_arg(opts.model)
     check_renderer(opts.renderer)
+    if opts.eval_every and not opts.test_size:
+        raise RlcliError(
+            f"--eval-every {opts.eval_every}: hold some conversations out with --test-size"
+        )
     run_dir = run_dir_of(opts)
     resuming = (run_dir / "checkpoints.jsonl").exists()
     conversations, dataset_path = load_dataset(opts, run_dir, stdin)
@@ -124,6 +158,10 @@ def prepare(opts: SLOptions, stdin=None, dry_run: bool = False) -> tuple[SLPlan,
     steps = batches * opts.epochs
     if opts.max_steps is not None:
         steps = min(steps, opts.max_steps)
+    if opts.warmup_steps >= steps:
+        raise RlcliError(
+            f"--warmup-steps {opts.warmup_steps}: the run has {steps} steps; warm up for fewer"
+        )
     tokens = (None, None)
     if dry_run:
         tokens = _count_tokens(
@@ -194,6 +232,7 @@ def cookbook_config(spec: dict):
             renderer_name=plan["renderer"],
             max_length=opts["max_length"],
             batch_size=opts["batch_size"],
+            train_on_what=TRAIN_ON[opts["train_on"]],
         ),
     )
     return train.Config(
@@ -203,11 +242,12 @@ def cookbook_config(spec: dict):
         renderer_name=plan["renderer"],
         dataset_builder=builder,
         learning_rate=opts["lr"],
+        lr_schedule=opts["lr_schedule"],  # after warmup: compat.install_lr_warmup
         num_epochs=opts["epochs"],
         lora_rank=opts["lora_rank"],
         base_url=opts["base_url"],
         save_every=opts["save_every"],
-        eval_every=0,  # the held-out loss is measured once, at the end (run_in_child)
+        eval_every=opts["eval_every"],  # and once more at the end (run_in_child)
         infrequent_eval_every=0,
         max_steps=opts["max_steps"],
         wandb_project=opts["wandb_project"],
@@ -224,7 +264,10 @@ def run_in_child(spec: dict) -> dict:
     from tinker_cookbook.supervised import train
     from tinker_cookbook.supervised.nll_evaluator import NLLEvaluator
 
+    from rlcli.compat import install_lr_warmup
+
     config = cookbook_config(spec)
+    install_lr_warmup(spec["options"]["warmup_steps"])
     asyncio.run(train.main(config))
     last = checkpoint_utils.get_last_checkpoint(config.log_path)
     losses = metric_values(Path(config.log_path), "train_mean_nll")["train_mean_nll"]
@@ -245,7 +288,8 @@ def run_in_child(spec: dict) -> dict:
 
 
 COMMAND = "rlcli train sl"
-SHOW = {"train_mean_nll": "loss"}  # metrics.jsonl key -> label on the progress line
+# metrics.jsonl key -> label on the progress line (test/nll: the steps --eval-every measures)
+SHOW = {"train_mean_nll": "loss", "test/nll": "held-out", "learning_rate": "lr"}
 TOKENS_KEY = "num_tokens"
 
 

@@ -30,7 +30,9 @@ from rlcli.server.wire import DatumArrays
 
 log = logging.getLogger("rlcli.engine")
 
-LORA_ALPHA = 32  # fixed, as on Tinker: the learning rate does not have to move with the rank
+# As on Tinker, unless a client asks for another (rlcli's --lora-alpha): with it fixed, the
+# learning rate does not have to move with the rank
+LORA_ALPHA = 32
 # Padded tokens per forward pass, by device type: bounds activation memory (a 30-layer 135M
 # model holds about 2 MB of activations per token for the backward pass without gradient
 # checkpointing, about 0.1 MB with it). A CPU computes about as fast per token from ~256
@@ -286,6 +288,7 @@ class Engine:
         train_mlp: bool = True,
         train_attn: bool = True,
         train_unembed: bool = True,
+        alpha: float | None = None,
     ) -> dict[str, Any]:
         from peft import LoraConfig
 
@@ -297,7 +300,8 @@ class Engine:
         targets = sorted(set().union(*(self.layer_groups[g] for g, on in wanted.items() if on)))
         if not targets:
             raise UserError("lora_config: no layers selected (train_mlp/attn/unembed all off?)")
-        config = LoraConfig(r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets)
+        alpha = alpha or LORA_ALPHA
+        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
             self._add_peft_adapter(name, config)

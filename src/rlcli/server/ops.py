@@ -40,13 +40,15 @@ class CreateAdapter(Op):
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True
+    alpha: float | None = None  # None: the engine's LORA_ALPHA
     run_record: dict[str, Any] | None = None  # the run's run.json, written once it exists
     checkpoints_root: str = ""
 
     def run(self, engine: Engine) -> Any:
         out = engine.create_adapter(
-            self.name, self.rank, self.seed, self.train_mlp, self.train_attn, self.train_unembed
-        )
+            self.name, self.rank, self.seed, self.train_mlp, self.train_attn, self.train_unembed,
+            alpha=self.alpha,
+        )  # fmt: skip
         if self.run_record is not None:  # after the adapter: a failure leaves no orphan run
             try:
                 checkpoints.write_run(Path(self.checkpoints_root), self.name, self.run_record)

@@ -100,6 +100,7 @@ async def get_server_capabilities(state: State):
         "supported_loss_fns": sorted(losses.LOSSES),
         "loss_fn_config": losses.config_defaults(),
         "max_lora_rank": state.settings.max_lora_rank,
+        "lora_alpha": True,  # takes user_metadata.rlcli_lora_alpha (schemas.LORA_ALPHA_METADATA)
         "max_sample_tokens": state.settings.max_sample_tokens,
         "backend": "torch",
     }

@@ -3,12 +3,20 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 
 from fastapi import APIRouter, HTTPException, Request
 
 from rlcli.server import ops, wire
-from rlcli.server.schemas import CreateModel, LoraConfig, ModelRef, OptimizerConfig, OptimStep
+from rlcli.server.schemas import (
+    LORA_ALPHA_METADATA,
+    CreateModel,
+    LoraConfig,
+    ModelRef,
+    OptimizerConfig,
+    OptimStep,
+)
 from rlcli.server.state import ModelRecord, ServerState, State
 from rlcli.server.validate import validate_forward_backward
 
@@ -21,7 +29,7 @@ async def create_model(body: CreateModel, state: State):
     state.session(body.session_id)
     state.check_base_model(body.base_model)
     check_optimizer(body.optimizer_config)
-    lora = body.lora_config or LoraConfig()
+    lora = with_alpha(body.lora_config or LoraConfig(), body.user_metadata)
     if lora.rank > info["max_lora_rank"]:
         raise HTTPException(
             400,
@@ -32,6 +40,23 @@ async def create_model(body: CreateModel, state: State):
         raise HTTPException(400, "lora_config: train_mlp, train_attn and train_unembed are all off")
     model_id = str(uuid.uuid4())
     return new_training_client(state, model_id, body.session_id, lora, body.user_metadata)
+
+
+def with_alpha(lora: LoraConfig, user_metadata: dict | None) -> LoraConfig:
+    """``lora`` with the alpha an rlcli client put in ``user_metadata``; 400 if it is no
+    positive number."""
+    raw = (user_metadata or {}).get(LORA_ALPHA_METADATA)
+    if raw is None:
+        return lora
+    try:
+        alpha = float(raw)
+    except (TypeError, ValueError):
+        alpha = math.nan
+    if not (0 < alpha <= 1e6):
+        raise HTTPException(
+            400, f"user_metadata.{LORA_ALPHA_METADATA}: {raw!r} is not a number in (0, 1e6]"
+        )
+    return lora.model_copy(update={"alpha": alpha})
 
 
 def check_optimizer(config: OptimizerConfig | None) -> None:
@@ -74,6 +99,7 @@ def new_training_client(
             lora.train_mlp,
             lora.train_attn,
             lora.train_unembed,
+            alpha=lora.alpha,
             run_record=run,
             checkpoints_root=str(state.checkpoints_root),
         ),  # run.json is written by the engine once the adapter exists

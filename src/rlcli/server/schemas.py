@@ -55,12 +55,20 @@ class SessionRef(Body):
     session_id: str
 
 
+# The Tinker API's LoraConfig has a rank and no alpha; rlcli's clients (`train --lora-alpha`)
+# send one in the create request's user_metadata under this key, as text.
+LORA_ALPHA_METADATA = "rlcli_lora_alpha"
+
+
 class LoraConfig(Body):
     rank: Annotated[int, Field(ge=1, le=2**20)] = 32
     seed: Seed | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
+    # rlcli's own: from user_metadata (LORA_ALPHA_METADATA), kept in run.json so a restored
+    # training client scales as the saved one did; None: the engine's LORA_ALPHA
+    alpha: Annotated[float, Field(gt=0, le=1e6)] | None = None
 
 
 class CreateModel(Body):
