@@ -404,9 +404,11 @@ def write_config(run_dir: Path, opts, command: str) -> Path:
     return path
 
 
-# Settings a resume may change: where the server is, how far to go, how often to save, where
-# to log. Any other difference would train a different run into the same folder.
-RESUMABLE = ("base_url", "max_steps", "save_every", "wandb_project", "wandb_name")
+# Settings a resume may change: where the server is, how far to go (steps or epochs: a
+# finished DPO run continues by epochs, since the cookbook records a max_steps stop as the
+# last epoch done), how often to save, where to log. Any other difference would train a
+# different run into the same folder.
+RESUMABLE = ("base_url", "max_steps", "epochs", "save_every", "wandb_project", "wandb_name")
 
 
 def folder_command(run_dir: Path) -> tuple[str, dict[str, Any]] | None:
