@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +20,12 @@ import numpy as np
 import pytest
 import tinker
 from tinker_cookbook.rl.types import Env, EnvGroupBuilder, RLDataset, RLDatasetBuilder, StepResult
+
+# A suite started in the background by a shell without job control (`pytest ... &`) inherits
+# SIGINT ignored, and so would every rlcli it starts: the Ctrl-C tests would then see nothing.
+# The children get the default disposition back (an ignored signal stays ignored across exec).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # tests talk to our server only
 # Runs, server records and the run index go to a scratch home, never the user's ~/.rlcli
