@@ -314,13 +314,7 @@ def check_gguf_output(out: Path, force: bool) -> Path:
         with open(out, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise RlcliError(f"-o {out}: not a GGUF file; --force replaces only a GGUF file")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RlcliError(f"-o {out}: cannot create its parent folder ({e.strerror})") from None
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise RlcliError(f"-o {out}: {out.parent} is not writable")
-    return out
+    return _writable_parent(out)
 
 
 def check_output(out: Path, force: bool) -> Path:
@@ -331,6 +325,11 @@ def check_output(out: Path, force: bool) -> Path:
         if not force:
             raise RlcliError(f"-o {out}: not empty (pass --force to replace an earlier export)")
         check_replaceable(out)
+    return _writable_parent(out)
+
+
+def _writable_parent(out: Path) -> Path:
+    """``out``, once its parent folder exists and can take a new entry (else one line)."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

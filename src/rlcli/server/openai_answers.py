@@ -113,14 +113,18 @@ def whole(plan: Plan, text: ChatTokenizer, choices: list[TextStream], outputs) -
             else:
                 out.append({"index": index, "text": stream.text, "finish_reason": finish,
                             "logprobs": _logprobs_json(plan, entries, 0)})  # fmt: skip
+    kind = "chat.completion" if plan.kind == "chat" else "text_completion"
+    return {**_envelope(plan, kind), "choices": out, "usage": _usage(plan, choices)}
+
+
+def _envelope(plan: Plan, kind: str) -> dict:
+    """The fields every answer and every chunk of one request share."""
     return {
         "id": ("chatcmpl-" if plan.kind == "chat" else "cmpl-") + plan.id,
-        "object": "chat.completion" if plan.kind == "chat" else "text_completion",
+        "object": kind,
         "created": plan.created,
         "model": plan.model,
         "system_fingerprint": None,
-        "choices": out,
-        "usage": _usage(plan, choices),
     }
 
 
@@ -161,14 +165,8 @@ class Answer:
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         plan = self.plan
-        chunk = {
-            "id": ("chatcmpl-" if plan.kind == "chat" else "cmpl-") + plan.id,
-            "object": "chat.completion.chunk" if plan.kind == "chat" else "text_completion",
-            "created": plan.created,
-            "model": plan.model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
+        kind = "chat.completion.chunk" if plan.kind == "chat" else "text_completion"
+        chunk = {**_envelope(plan, kind), "choices": choices}
         if plan.include_usage:
             chunk["usage"] = usage
         return f"data: {json.dumps(chunk)}\n\n"
