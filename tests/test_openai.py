@@ -114,6 +114,16 @@ def test_stop_strings_end_the_text_before_them(client, tiny_model):
     assert texts == {0: cut.text} and reasons == {0: "stop"}
 
 
+def test_ignore_eos_draws_every_token_asked_for(client, tiny_model):
+    """vLLM's ``ignore_eos``: each row runs to max_tokens (what load generators rely on)."""
+    answer = client.completions.create(
+        model=str(tiny_model), prompt=[5, 6], n=4, max_tokens=48, seed=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.finish_reason for c in answer.choices] == ["length"] * 4
+    assert answer.usage.completion_tokens == 4 * 48
+
+
 def test_a_sft_checkpoint_answers_as_rlcli_sample_does(client, server, zebra):
     listed = [m.id for m in client.models.list().data]
     assert zebra["sampler"] in listed

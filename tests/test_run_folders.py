@@ -193,3 +193,22 @@ def test_ctrl_c_saves_a_checkpoint_and_every_step_count_agrees(tmp_path, server,
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     steps = [r["step"] for r in _rows(run_dir / "metrics.jsonl")]
     assert steps == list(range(done + 2))  # continued after the Ctrl-C checkpoint, no repeats
+
+
+def test_runs_started_at_once_are_all_in_the_index(tmp_path, monkeypatch):
+    """Each run outside $RLCLI_HOME/runs adds itself to index.txt; sixteen at once lose none."""
+    import threading
+
+    from rlcli.recipes.runner import register_run
+
+    monkeypatch.setenv("RLCLI_HOME", str(tmp_path / "home"))
+    folders = [tmp_path / "elsewhere" / f"run{i}" for i in range(16)]
+    for folder in folders:
+        folder.mkdir(parents=True)
+    threads = [threading.Thread(target=register_run, args=(f,)) for f in folders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    index = (tmp_path / "home" / "runs" / "index.txt").read_text().splitlines()
+    assert sorted(index) == sorted(str(f.resolve()) for f in folders)

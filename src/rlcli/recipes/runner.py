@@ -392,10 +392,12 @@ def register_run(run_dir: Path) -> None:
     with contextlib.suppress(OSError):
         runs.mkdir(parents=True, exist_ok=True)
         index = runs / INDEX
-        with index.open("a+") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # one writer at a time; released on close
-            f.seek(0)
-            paths = [p for p in f.read().splitlines() if p.strip()]
+        # The lock is a file of its own: index.txt is replaced on each write, so a lock on it
+        # would be a lock on an old inode, and two runs starting at once could lose one.
+        with (runs / ".index.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time; released on close
+            text = index.read_text() if index.exists() else ""
+            paths = [p for p in text.splitlines() if p.strip()]
             if str(run_dir) in paths and all(Path(p).is_dir() for p in paths):
                 return
             kept = [p for p in dict.fromkeys([*paths, str(run_dir)]) if Path(p).is_dir()]

@@ -4,8 +4,9 @@ Fields follow the OpenAI API (chat completions and legacy completions). What thi
 not do is named, not ignored: ``tools``, a ``response_format`` other than text, images and
 audio in messages, ``logit_bias``, penalties, ``echo``, ``suffix`` and ``best_of`` are each a
 400 naming the field (``refusals``). Fields OpenAI clients send that change nothing here
-(``user``, ``metadata``, ``store``, ...) are accepted and ignored. ``stop_token_ids`` is
-vLLM's extension (``rlcli chat`` sends its renderer's stop tokens with it).
+(``user``, ``metadata``, ``store``, ...) are accepted and ignored. ``stop_token_ids`` and
+``ignore_eos`` are vLLM's extensions (``rlcli chat`` sends its renderer's stop tokens with the
+first; the second draws ``max_tokens`` past EOS, as load generators ask).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class Sampling(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop_token_ids: list[Tokens] | None = None  # vLLM's extension: token ids that end a row
+    ignore_eos: bool = False  # vLLM's extension: draw max_tokens, past EOS (benchmarks, tests)
     # refused unless neutral
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -182,6 +182,7 @@ def _job(
         stop_tokens=stop_tokens,
         topk_sample_logprobs=top,
         stream=body.stream,
+        stop_at_eos=not body.ignore_eos,
     )
 
 
