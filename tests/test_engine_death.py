@@ -43,8 +43,9 @@ def test_a_dead_engine_fails_every_request_fast_and_the_server_exits(tmp_path, t
     # And an OpenAI stream mid-answer: it must end with an error event, not be cut.
     frames: list[str] = []
     streaming = threading.Event()
-    body = {"model": str(tiny_model), "prompt": [5, 6], "max_tokens": 3000, "stream": True,
-            "ignore_eos": True}  # fmt: skip  (the tiny model may draw EOS long before the kill)
+    # ignore_eos: the tiny model may draw EOS, and end the stream, long before the kill.
+    body = {"model": str(tiny_model), "prompt": [5, 6], "max_tokens": 3000, "stream": True}
+    body["ignore_eos"] = True
 
     def read_stream() -> None:
         with httpx.stream("POST", f"{record.base_url}/v1/completions", json=body, timeout=30) as r:
