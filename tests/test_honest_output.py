@@ -120,15 +120,15 @@ def test_export_takes_every_run_id_runs_takes(tmp_path, monkeypatch):
 def test_dataset_dash_at_a_terminal_and_an_empty_file_say_so(tmp_path, tiny_model):
     import os
 
-    from rlcli.recipes import opsd, sl
+    from rlcli import recipes
 
     main, replica = os.openpty()  # a real terminal on stdin: nothing is piped in
     try:
         with open(replica) as terminal:
-            for module, options in ((sl, sl.SLOptions), (opsd, opsd.OpsdOptions)):
-                opts = options(model=str(tiny_model), dataset="-")
+            for recipe in (recipes.get("sl"), recipes.get("opsd")):
+                opts = recipe.options(model=str(tiny_model), dataset="-")
                 with pytest.raises(RlcliError) as e:
-                    module.prepare(opts, stdin=terminal)
+                    recipe.prepare(opts, stdin=terminal)
                 assert str(e.value).startswith("--dataset -: stdin is a terminal"), e.value
                 assert "--dataset - < FILE.jsonl" in str(e.value)
     finally:

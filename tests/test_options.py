@@ -237,11 +237,11 @@ def test_config_path_errors(tmp_path):
 def test_gspo_note_only_where_it_applies():
     from rlcli.recipes import rl
 
-    gspo = RLOptions(model="m", loss="gspo")
-    assert not rl.gspo_note_applies(gspo, "torch")  # our server: results in input order
-    assert rl.gspo_note_applies(gspo, "unknown") and rl.gspo_note_applies(gspo, "megatron")
-    assert rl.gspo_note_applies(RLOptions(model="m", loss="gspo", backend="fsdp"), None)
-    assert not rl.gspo_note_applies(RLOptions(model="m"), "unknown")  # not gspo
+    gspo, notes = RLOptions(model="m", loss="gspo"), rl.RL().notes
+    assert notes(gspo, "torch") == []  # our server: results in input order
+    assert notes(gspo, "unknown") == notes(gspo, "megatron") == [rl.GSPO_NOTE]
+    assert notes(RLOptions(model="m", loss="gspo", backend="fsdp"), None) == [rl.GSPO_NOTE]
+    assert notes(RLOptions(model="m"), "unknown") == []  # not gspo
     assert len(rl.GSPO_NOTE.splitlines()) == 1 and "SkyRL#2043" in rl.GSPO_NOTE
 
 

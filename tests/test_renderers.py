@@ -169,7 +169,7 @@ def test_train_sl_says_which_renderer_and_feeds_the_recipe_the_templates_tokens(
     plan = json.loads(result.stdout)
     assert plan["renderer"] == "chat_template" and plan["options"]["renderer"] == "chat_template"
     spec = {"options": {**plan["options"], "dataset": str(data)}, "plan": plan}
-    train_ds, _ = sl.cookbook_config(spec).dataset_builder()
+    train_ds, _ = sl.SL().cookbook_config(spec).dataset_builder()
     tokenizer = AutoTokenizer.from_pretrained(smol_style_model)
     expected = sorted(tuple(template(tokenizer, r["messages"], False)) for r in rows)
     built = []

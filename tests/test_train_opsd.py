@@ -296,9 +296,10 @@ def test_the_hint_reaches_the_teacher_only(tmp_path, server, tiny_model, monkeyp
         group_size=2, max_tokens=16, max_steps=1, log_path=str(tmp_path / "run"),
         teacher_hint=hint,
     )  # fmt: skip
-    plan, _ = opsd.prepare(opts)
-    spec = opsd.spec(opsd.resolved(opts, plan, server.base_url), plan)
-    summary = opsd.run_in_child(spec)
+    recipe = opsd.Opsd()
+    plan, _ = recipe.prepare(opts)
+    spec = recipe.spec(recipe.resolved(opts, plan, server.base_url), plan)
+    summary = recipe.run_in_child(spec)
     assert summary["first_teacher_kl"] is not None
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     teacher = [tokenizer.decode(t) for t, logprobs in sent if logprobs]

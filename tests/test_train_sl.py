@@ -144,7 +144,7 @@ def test_dry_run_plans_without_a_server(tmp_path, tiny_model, chat_file):
 
     spec = {"options": {**plan["options"], "model": str(tiny_model)}, "plan": plan}
     spec["plan"]["dataset_path"] = str(chat_file)
-    train_ds, test_ds = sl.cookbook_config(spec).dataset_builder()
+    train_ds, test_ds = sl.SL().cookbook_config(spec).dataset_builder()
     batches = [train_ds.get_batch(i) for i in range(len(train_ds))]
     assert plan["tokens_per_epoch"] == sum(d.model_input.length for b in batches for d in b)
     assert plan["held_out_tokens"] == sum(d.model_input.length for d in test_ds.get_batch(0))
@@ -395,6 +395,7 @@ def test_schedule_warmup_eval_every_and_train_on_reach_a_parquet_run(
 
 def test_train_on_last_puts_weight_on_the_last_assistant_message_only(tmp_path, tiny_model):
     from rlcli.recipes import sl
+    from rlcli.recipes.options import saved
 
     turns = ["Hi.", "Hello there, how can I help?", "Name a colour.", "Blue."]
     chat = [
@@ -409,8 +410,8 @@ def test_train_on_last_puts_weight_on_the_last_assistant_message_only(tmp_path, 
         )
         plan = {"dataset_path": str(data), "held_out": 0, "renderer": "qwen3_instruct"}
         plan["run_dir"] = str(tmp_path / "run")
-        options = sl.saved(opts)
-        train_ds, _ = sl.cookbook_config({"options": options, "plan": plan}).dataset_builder()
+        spec = {"options": saved(opts), "plan": plan}
+        train_ds, _ = sl.SL().cookbook_config(spec).dataset_builder()
         (datum,) = train_ds.get_batch(0)
         weights[train_on] = datum.loss_fn_inputs["weights"].to_numpy().sum()
     assert 0 < weights["last"] < weights["all-assistant"]

@@ -1,4 +1,5 @@
-"""The one exception type the CLI turns into a one-line message (see ``cli/main.py``)."""
+"""The exception types the CLI turns into a one-line message (see ``cli/main.py``); the Python
+API (``rlcli.api``) raises the same ones."""
 
 
 class RlcliError(Exception):
@@ -16,3 +17,13 @@ class RlcliError(Exception):
 class Cancelled(RlcliError):
     """A run stopped as asked (``rlcli runs cancel``): its exit code is not 0, but nothing went
     wrong, so the CLI prints the message without ``error:``."""
+
+
+class RunFailed(RlcliError):
+    """A run that started and did not finish (the recipe failed, the server went away, a
+    signal stopped it): ``run_dir`` is its folder, ``error`` the one line its record keeps."""
+
+    def __init__(self, message: str, run_dir, error: str, exit_code: int = 1) -> None:
+        super().__init__(message, exit_code=exit_code)
+        self.run_dir = str(run_dir)
+        self.error = error

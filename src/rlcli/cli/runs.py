@@ -73,17 +73,16 @@ def show(
 
 def _follow(run_dir: Path) -> None:
     """Step lines and phases on stderr until the run is no longer running."""
-    import importlib
     import time
 
-    from rlcli import runs
+    from rlcli import recipes, runs
     from rlcli.recipes.progress import Follower
 
     now = runs.state(run_dir)
-    try:  # each recipe module names what its progress lines show
-        recipe = importlib.import_module(f"rlcli.recipes.{now['kind']}")
-        show, tokens_key = recipe.SHOW, recipe.TOKENS_KEY
-    except (ImportError, AttributeError, ValueError):
+    try:  # each recipe names what its progress lines show
+        recipe = recipes.get(now["kind"])
+        show, tokens_key = recipe.show, recipe.tokens_key
+    except (KeyError, ImportError):
         show, tokens_key = {k: label for k, label in runs.METRICS.get(now["kind"] or "", ())}, ""
     if now["status"] not in runs.LIVE:
         info(f"run {now['id']} is not running ({now['status']})")

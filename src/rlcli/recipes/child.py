@@ -113,34 +113,15 @@ def _run(folder: Path) -> int:
     compat.release_adapters_at_exit()  # SkyRL holds a LoRA slot per client until its timeout
     compat.accept_unnumbered_samples()  # SkyRL answers samples the 0.25 way
     compat.send_lora_alpha((spec.get("options") or {}).get("lora_alpha"))
-    if spec["recipe"] == "sl":
-        from rlcli.recipes import sl
+    from rlcli import recipes
 
-        status("starting: connecting to the server")
-        summary = sl.run_in_child(spec)
-    elif spec["recipe"] == "rl":
-        from rlcli.recipes import rl
-
-        status("starting: connecting to the server")
-        summary = rl.run_in_child(spec)
-    elif spec["recipe"] == "dpo":
-        from rlcli.recipes import dpo
-
-        status("starting: connecting to the server")
-        summary = dpo.run_in_child(spec)
-    elif spec["recipe"] == "opsd":
-        from rlcli.recipes import opsd
-
-        status("starting: connecting to the server")
-        summary = opsd.run_in_child(spec)
-    elif spec["recipe"] == "harbor":
-        from rlcli.recipes import harbor
-
-        status("starting: connecting to the server")
-        summary = harbor.run_in_child(spec)
-    else:
+    try:
+        recipe = recipes.get(spec["recipe"])
+    except KeyError:
         print(f"rlcli-error: unknown recipe {spec['recipe']!r}", flush=True)
         return 2
+    status("starting: connecting to the server")
+    summary = recipe.run_in_child(spec)
     (folder / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     status("done")
     return 0

@@ -12,16 +12,24 @@ made; ``run_in_child`` runs the cookbook's RL loop. Containers carry the run's l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlcli.errors import RlcliError
-from rlcli.recipes.options import PolicyOptions, TrainOptions, option, resume_command, retune, saved
-from rlcli.recipes.rl import check_policy_flags, policy_config, policy_summary, seed_sampling
-from rlcli.recipes.runner import default_run_dir
+from rlcli.recipes.base import Recipe, capped, resuming
+from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
+from rlcli.recipes.rl import (
+    PolicyPlan,
+    check_policy_flags,
+    check_policy_server,
+    policy_config,
+    policy_summary,
+    seed_sampling,
+)
 
 GRADER_TIMEOUT_S = 60  # a task's [verifier] timeout_sec raises it
 MAX_TRAJECTORY_TOKENS = 32 * 1024  # the cookbook's default: past it the episode ends
@@ -59,24 +67,11 @@ class HarborOptions(PolicyOptions):
 
 
 @dataclass
-class HarborPlan:
-    run_dir: str
-    loss: str
-    loss_config: dict | None
-    dataset: str
-    data_source: str
+class HarborPlan(PolicyPlan):
     tasks: list[str]
     groups_per_step: int
     rollouts_per_step: int
-    steps: int
     sandbox: str
-    renderer: str
-    renderer_source: str
-    resuming: bool
-
-
-def run_dir_of(opts: HarborOptions) -> Path:
-    return Path(opts.log_path).expanduser() if opts.log_path else default_run_dir("harbor")
 
 
 def run_id(run_dir: str | Path) -> str:
@@ -108,156 +103,6 @@ def check_modal() -> None:
         )
 
 
-def prepare(opts: HarborOptions, stdin=None, dry_run: bool = False) -> tuple[HarborPlan, None]:
-    """Check flags, model, renderer and every task folder, and count the steps; no server, no
-    sandbox, no writes."""
-    from rlcli.compat import resolve_renderer
-
-    config = check_policy_flags(opts)
-    if opts.sandbox == "modal":
-        check_modal()
-    folder, source, found = load_tasks(opts.dataset, opts.task_filter, opts.max_tasks)
-    renderer, renderer_source, _ = resolve_renderer(opts.model, opts.renderer)
-    run_dir = run_dir_of(opts)
-    groups = min(opts.groups_per_batch, len(found))
-    steps = math.ceil(len(found) / opts.groups_per_batch)
-    if opts.max_steps is not None:
-        steps = min(steps, opts.max_steps)
-    plan = HarborPlan(
-        run_dir=str(run_dir),
-        loss=opts.loss,
-        loss_config=config,
-        dataset=opts.dataset if source.startswith("Harbor cache") else str(folder),
-        data_source=source,
-        tasks=[t.name for t in found],
-        groups_per_step=groups,
-        rollouts_per_step=groups * opts.group_size,
-        steps=steps,
-        sandbox=opts.sandbox,
-        renderer=renderer,
-        renderer_source=renderer_source,
-        resuming=(run_dir / "checkpoints.jsonl").exists(),
-    )
-    return plan, None
-
-
-def check_server(server, opts: HarborOptions, plan: HarborPlan) -> str:
-    """Before any rollout: the server's checks and the loss guard, then the sandbox: the Docker
-    daemon answers and every task's image is there (built now when missing)."""
-    from rlcli.cli._output import info
-    from rlcli.recipes import loss_guard
-
-    server.check_max_tokens(opts.max_tokens)
-    server.check_checkpoint(opts.init_checkpoint, "--init-checkpoint", "training")
-    server.check_checkpoint(opts.kl_reference, "--kl-reference", "sampler")
-    served_by = loss_guard.check_server(
-        server.base_url, opts.loss, opts.backend, opts.model, plan.loss_config
-    )
-    server.check_loss_config_values(opts.model, opts.loss, plan.loss_config)
-    loss_guard.say_skyrl_note(served_by, opts.loss, plan.loss_config)
-    if plan.sandbox == "docker":
-        from rlcli.harbor import docker
-
-        version = docker.check_daemon()
-        _, _, found = load_tasks(plan.dataset, opts.task_filter, opts.max_tasks, download=False)
-        built = []
-        for task in found:
-            if docker.needs_build(task):
-                info(f"building the image of task {task.name} ({task.environment})")
-            tag, new = docker.ensure_image(task)
-            if new:
-                built.append(tag)
-        info(
-            f"docker {version} at {docker.where()}: {len(found)} task images ready"
-            + (f" ({len(built)} built now)" if built else "")
-        )
-    return served_by
-
-
-def resolved(opts: HarborOptions, plan: HarborPlan, base_url: str) -> HarborOptions:
-    """The options a run keeps: the server, renderer and run folder found, a local dataset as
-    an absolute path (so ``--config`` of the run trains on the same tasks)."""
-    return dataclasses.replace(
-        opts, base_url=base_url, renderer=plan.renderer, dataset=plan.dataset,
-        log_path=plan.run_dir,
-    )  # fmt: skip
-
-
-def commit(opts: HarborOptions, plan: HarborPlan, data) -> None:
-    """Nothing to write before the run (the tasks stay where they are)."""
-
-
-def spec(opts: HarborOptions, plan: HarborPlan) -> dict:
-    return {"recipe": "harbor", "options": saved(opts), "plan": asdict(plan)}
-
-
-def train(train_flow, opts: HarborOptions) -> None:
-    """``train_flow(this module, opts)`` (``cli/train.py``'s ``_train``), then remove every
-    container of the run, whatever way it ended (the recipe child's own cleanup cannot run
-    when it is SIGKILLed). A dry run makes none; a detached run cleans up in its own process."""
-    import sys
-
-    if opts.dry_run or opts.detach or opts.sandbox != "docker":
-        train_flow(sys.modules[__name__], opts)
-        return
-    run_dir = run_dir_of(opts)
-    opts = dataclasses.replace(opts, log_path=str(run_dir))
-    try:
-        train_flow(sys.modules[__name__], opts)
-    finally:
-        from rlcli.harbor import docker
-        from rlcli.recipes.runner import SPEC
-
-        # Only once a recipe may have started (a refused run made no container).
-        left = docker.remove_run_containers(run_id(run_dir)) if (run_dir / SPEC).exists() else 0
-        if left:
-            from rlcli.cli._output import info
-
-            info(f"removed {left} container(s) the run left behind")
-
-
-# ---- in the recipe child --------------------------------------------------------------------
-
-
-def cookbook_config(spec: dict):
-
-    from rlcli.compat import import_harbor_env
-    from rlcli.harbor.docker import STATS_FILE, DockerSandboxFactory
-
-    harbor_env = import_harbor_env()  # modal need not be installed
-    HarborDatasetBuilder, HarborTask = harbor_env.HarborDatasetBuilder, harbor_env.HarborTask
-
-    opts, plan = spec["options"], spec["plan"]
-    _, _, found = load_tasks(plan["dataset"], opts["task_filter"], opts["max_tasks"], False)
-    tasks = [
-        HarborTask(task_name=t.name, instruction=t.instruction, task_dir=t.folder, config=t.config)
-        for t in found
-    ]
-    factory = None
-    if plan["sandbox"] == "docker":
-        stats = Path(plan["run_dir"]) / STATS_FILE
-        factory = DockerSandboxFactory(found, run_id(plan["run_dir"]), stats_path=stats)
-    builder = HarborDatasetBuilder(
-        tasks=tasks,
-        batch_size=opts["groups_per_batch"],
-        group_size=opts["group_size"],
-        model_name=opts["model"],
-        renderer_name=plan["renderer"],
-        max_turns=opts["max_turns"],
-        sandbox_timeout=opts["env_timeout"],
-        command_timeout=opts["command_timeout"],
-        grader_timeout=GRADER_TIMEOUT_S,
-        max_trajectory_tokens=MAX_TRAJECTORY_TOKENS,
-        max_generation_tokens=opts["max_tokens"],
-        sandbox_factory=factory,
-    )
-    return policy_config(spec, builder, "rlcli_harbor")
-
-
-REWARD, PASSED = "env/all/reward/total", "env/all/test_passed"
-SAMPLED_TOKENS = "env/all/total_ac_tokens"
-
-
 def _remove_on_sigterm(run: str) -> None:
     """SIGTERM (the parent stopping the run): remove the run's containers, then exit 143."""
     import signal
@@ -274,40 +119,157 @@ def _remove_on_sigterm(run: str) -> None:
     signal.signal(signal.SIGTERM, on_term)
 
 
-def run_in_child(spec: dict) -> dict:
-    import asyncio
-
-    from tinker_cookbook.rl import train
-
-    from rlcli import compat
-    from rlcli.harbor import docker
-
-    compat.install_harbor_hooks()
-    config = cookbook_config(spec)
-    seed_sampling(spec["options"]["seed"])
-    run = run_id(config.log_path)
-    docker.remove_run_containers(run)  # what an earlier attempt killed with its parent left
-    _remove_on_sigterm(run)
-    try:
-        asyncio.run(train.main(config))
-    finally:
-        docker.remove_live_containers()
-        docker.remove_run_containers(run)
-    return policy_summary(config, {"final_passed": PASSED})
+REWARD, PASSED = "env/all/reward/total", "env/all/test_passed"
+SAMPLED_TOKENS = "env/all/total_ac_tokens"
 
 
-COMMAND = "rlcli train harbor"
-SHOW = {REWARD: "reward", PASSED: "passed"}
-TOKENS_KEY = SAMPLED_TOKENS
-
-
-def describe(plan: HarborPlan, served_by: str = "") -> str:
-    backend = f" ({served_by} backend)" if served_by else ""
-    return (
-        f"loss {plan.loss}{backend}, {len(plan.tasks)} tasks, {plan.steps} steps of "
-        f"{plan.rollouts_per_step} rollouts in {plan.sandbox} containers"
+class Harbor(Recipe):
+    name = "harbor"
+    options = HarborOptions
+    help = (
+        "Agent RL on Harbor tasks (a container, an instruction, a test script whose verdict "
+        "is the reward) in containers on the local Docker daemon, with the cookbook's harbor_rl."
     )
+    show = {REWARD: "reward", PASSED: "passed"}
+    tokens_key = SAMPLED_TOKENS
 
+    def prepare(self, opts: HarborOptions, stdin=None, dry_run=False) -> tuple[HarborPlan, None]:
+        """Check flags, model, renderer and every task folder, and count the steps; no server,
+        no sandbox, no writes."""
+        from rlcli.compat import resolve_renderer
 
-def resume_hint(opts: HarborOptions, plan: HarborPlan) -> str:
-    return resume_command(COMMAND, plan.run_dir)
+        config = check_policy_flags(opts)
+        if opts.sandbox == "modal":
+            check_modal()
+        folder, source, found = load_tasks(opts.dataset, opts.task_filter, opts.max_tasks)
+        renderer, renderer_source, _ = resolve_renderer(opts.model, opts.renderer)
+        run_dir = self.run_dir_of(opts)
+        groups = min(opts.groups_per_batch, len(found))
+        plan = HarborPlan(
+            run_dir=str(run_dir),
+            loss=opts.loss,
+            loss_config=config,
+            dataset=opts.dataset if source.startswith("Harbor cache") else str(folder),
+            data_source=source,
+            tasks=[t.name for t in found],
+            groups_per_step=groups,
+            rollouts_per_step=groups * opts.group_size,
+            steps=capped(math.ceil(len(found) / opts.groups_per_batch), opts),
+            sandbox=opts.sandbox,
+            renderer=renderer,
+            renderer_source=renderer_source,
+            resuming=resuming(run_dir),
+        )
+        return plan, None
+
+    def check_server(self, server, opts: HarborOptions, plan: HarborPlan, report) -> str:
+        """Before any rollout: the RL-style server checks, then the sandbox: the Docker daemon
+        answers and every task's image is there (built now when missing)."""
+        served_by = check_policy_server(server, opts, plan.loss_config, report)
+        if plan.sandbox == "docker":
+            from rlcli.harbor import docker
+
+            version = docker.check_daemon()
+            _, _, found = load_tasks(plan.dataset, opts.task_filter, opts.max_tasks, download=False)
+            built = []
+            for task in found:
+                if docker.needs_build(task):
+                    report(f"building the image of task {task.name} ({task.environment})")
+                tag, new = docker.ensure_image(task)
+                if new:
+                    built.append(tag)
+            report(
+                f"docker {version} at {docker.where()}: {len(found)} task images ready"
+                + (f" ({len(built)} built now)" if built else "")
+            )
+        return served_by
+
+    def resolved_fields(self, opts: HarborOptions, plan: HarborPlan, base_url: str) -> dict:
+        """A local dataset as an absolute path (``--config`` of the run: the same tasks)."""
+        return {"dataset": plan.dataset}
+
+    def describe(self, plan: HarborPlan, served_by: str = "") -> str:
+        backend = f" ({served_by} backend)" if served_by else ""
+        return (
+            f"loss {plan.loss}{backend}, {len(plan.tasks)} tasks, {plan.steps} steps of "
+            f"{plan.rollouts_per_step} rollouts in {plan.sandbox} containers"
+        )
+
+    @contextlib.contextmanager
+    def around(self, opts: HarborOptions, report):
+        """Remove every container of the run, whatever way it ended (the recipe child's own
+        cleanup cannot run when it is SIGKILLed). A dry run makes none; a detached run cleans
+        up in its own process."""
+        if opts.dry_run or opts.detach or opts.sandbox != "docker":
+            yield opts
+            return
+        run_dir = self.run_dir_of(opts)
+        try:
+            yield dataclasses.replace(opts, log_path=str(run_dir))
+        finally:
+            from rlcli.harbor import docker
+            from rlcli.recipes.runner import SPEC
+
+            # Only once a recipe may have started (a refused run made no container).
+            ran = (run_dir / SPEC).exists()
+            left = docker.remove_run_containers(run_id(run_dir)) if ran else 0
+            if left:
+                report(f"removed {left} container(s) the run left behind")
+
+    # ---- in the recipe child ----------------------------------------------------------------
+
+    def cookbook_config(self, spec: dict):
+        from rlcli.compat import import_harbor_env
+        from rlcli.harbor.docker import STATS_FILE, DockerSandboxFactory
+
+        harbor_env = import_harbor_env()  # modal need not be installed
+        HarborDatasetBuilder, HarborTask = harbor_env.HarborDatasetBuilder, harbor_env.HarborTask
+
+        opts, plan = spec["options"], spec["plan"]
+        _, _, found = load_tasks(plan["dataset"], opts["task_filter"], opts["max_tasks"], False)
+        tasks = [
+            HarborTask(
+                task_name=t.name, instruction=t.instruction, task_dir=t.folder, config=t.config
+            )
+            for t in found
+        ]
+        factory = None
+        if plan["sandbox"] == "docker":
+            stats = Path(plan["run_dir"]) / STATS_FILE
+            factory = DockerSandboxFactory(found, run_id(plan["run_dir"]), stats_path=stats)
+        builder = HarborDatasetBuilder(
+            tasks=tasks,
+            batch_size=opts["groups_per_batch"],
+            group_size=opts["group_size"],
+            model_name=opts["model"],
+            renderer_name=plan["renderer"],
+            max_turns=opts["max_turns"],
+            sandbox_timeout=opts["env_timeout"],
+            command_timeout=opts["command_timeout"],
+            grader_timeout=GRADER_TIMEOUT_S,
+            max_trajectory_tokens=MAX_TRAJECTORY_TOKENS,
+            max_generation_tokens=opts["max_tokens"],
+            sandbox_factory=factory,
+        )
+        return policy_config(self, spec, builder)
+
+    def run_in_child(self, spec: dict) -> dict:
+        import asyncio
+
+        from tinker_cookbook.rl import train
+
+        from rlcli import compat
+        from rlcli.harbor import docker
+
+        compat.install_harbor_hooks()
+        config = self.cookbook_config(spec)
+        seed_sampling(spec["options"]["seed"])
+        run = run_id(config.log_path)
+        docker.remove_run_containers(run)  # what an earlier attempt killed with its parent left
+        _remove_on_sigterm(run)
+        try:
+            asyncio.run(train.main(config))
+        finally:
+            docker.remove_live_containers()
+            docker.remove_run_containers(run)
+        return policy_summary(config, {"final_passed": PASSED})

@@ -72,14 +72,6 @@ def skyrl_note(backend: str | None, loss: str, config: dict | None) -> str | Non
     return f"note: SkyRL {backend} differs from Tinker's {loss} loss: " + "; ".join(found)
 
 
-def say_skyrl_note(backend: str | None, loss: str, config: dict | None) -> None:
-    from rlcli.cli._output import info
-
-    note = skyrl_note(backend, loss, config)
-    if note:
-        info(note)
-
-
 def managed_backend(base_url: str) -> str | None:
     """The backend of the server ``rlcli serve start`` runs here, if ``base_url`` is it."""
     from rlcli.backends import process

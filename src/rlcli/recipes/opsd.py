@@ -13,27 +13,25 @@ short logprob lists). The pedagogical version of the loop is the cookbook's
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-import os
 import random
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from rlcli.data.chat import stdin_text
 from rlcli.data.prompts import read_prompts
 from rlcli.errors import RlcliError
-from rlcli.recipes.options import (
-    PolicyOptions,
-    TrainOptions,
-    option,
-    resume_command,
-    retune,
-    saved,
+from rlcli.recipes.base import (
+    Plan,
+    Recipe,
+    capped,
+    first_last,
+    keep_lines,
+    read_input,
+    resuming,
+    summary_of,
 )
-from rlcli.recipes.runner import default_run_dir, metric_values
+from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
+from rlcli.recipes.runner import metric_values
 
 DATASET_FILE = "prompts.jsonl"  # stdin's prompts, kept in the run folder
 HINT_SEPARATOR = "\n\n"  # the teacher sees: hint, blank line, prompt
@@ -69,43 +67,20 @@ class OpsdOptions(PolicyOptions):
 
 
 @dataclass
-class OpsdPlan:
-    run_dir: str
+class OpsdPlan(Plan):
     dataset_path: str
     prompts: int
     prompts_with_context: int
     prompts_per_step: int
     samples_per_step: int
-    steps: int
     teacher_model: str
     teacher_checkpoint: str | None
     teacher_sees_hint: bool
-    renderer: str
-    renderer_source: str
-    resuming: bool
-
-
-def run_dir_of(opts: OpsdOptions) -> Path:
-    return Path(opts.log_path).expanduser() if opts.log_path else default_run_dir("opsd")
 
 
 def load_prompts(opts: OpsdOptions, run_dir: Path, stdin) -> tuple[list[dict], Path]:
-    """The validated prompts and the file the recipe will read (stdin: kept in the run folder
-    by ``commit``, once every check passed; a resumed run with nothing on stdin reuses it)."""
-    kept = run_dir / DATASET_FILE
-    if opts.dataset == "-":
-        if kept.exists() and (stdin is None or stdin.isatty()):  # a resume: the kept copy
-            text = ""
-        else:
-            text = stdin_text(stdin, "--dataset")
-        if not text.strip() and kept.exists():
-            return read_prompts(kept.open(), str(kept)), kept
-        return read_prompts(text.splitlines(), "stdin"), kept
-    path = Path(opts.dataset).expanduser()
-    if not path.is_file():
-        raise RlcliError(f"--dataset {opts.dataset}: no such file")
-    with path.open(encoding="utf-8", errors="replace") as f:
-        return read_prompts(f, str(path)), path.resolve()
+    """The validated prompts and the file the recipe will read (``base.read_input``)."""
+    return read_input(opts.dataset, run_dir / DATASET_FILE, stdin, read_prompts)
 
 
 def as_line(prompt: dict) -> dict:
@@ -119,61 +94,6 @@ def teacher_of(opts: OpsdOptions) -> tuple[str, str | None]:
     if teacher.startswith("tinker://"):
         return opts.model, teacher
     return teacher, None
-
-
-def prepare(opts: OpsdOptions, stdin=None, dry_run: bool = False) -> tuple[OpsdPlan, list[dict]]:
-    """Check flags, model, renderer and every prompt, and count the steps; no server, no writes."""
-    from rlcli.compat import resolve_renderer
-    from rlcli.recipes import loss_guard
-    from rlcli.recipes.preflight import check_model_arg, check_renderer
-    from rlcli.recipes.rl import parse_loss_config
-
-    parse_loss_config(opts.loss_config)
-    loss_guard.check_backend_hint(opts.backend, opts.loss)
-    if opts.kl_penalty_coef or opts.kl_reference:
-        raise RlcliError(
-            "--kl-penalty-coef/--kl-reference: not used by opsd (the teacher's KL weight is "
-            "--kl-coef)"
-        )
-    if opts.eval_every:
-        raise RlcliError("--eval-every: opsd has no evaluation set; leave it at 0")
-    if opts.init_checkpoint and not opts.init_checkpoint.startswith("tinker://"):
-        raise RlcliError(f"--init-checkpoint {opts.init_checkpoint}: expected a tinker:// path")
-    if opts.teacher_hint is not None and not opts.teacher_hint.strip():
-        raise RlcliError("--teacher-hint: empty; give the text the teacher should see")
-    check_model_arg(opts.model)
-    check_renderer(opts.renderer)
-    teacher_model, teacher_checkpoint = teacher_of(opts)
-    if teacher_model != opts.model and not teacher_checkpoint:
-        try:
-            check_model_arg(teacher_model)
-        except RlcliError as e:
-            raise RlcliError(str(e).replace("--model", "--teacher", 1)) from None
-    run_dir = run_dir_of(opts)
-    prompts, dataset_path = load_prompts(opts, run_dir, stdin)
-    renderer, source, tokenizer = resolve_renderer(opts.model, opts.renderer)
-    if teacher_model != opts.model:
-        check_same_tokenizer(tokenizer, teacher_model)
-    steps = math.ceil(len(prompts) / opts.batch_size)  # the last batch may be partial
-    if opts.max_steps is not None:
-        steps = min(steps, opts.max_steps)
-    per_step = min(opts.batch_size, len(prompts))
-    plan = OpsdPlan(
-        run_dir=str(run_dir),
-        dataset_path=str(dataset_path),
-        prompts=len(prompts),
-        prompts_with_context=sum(1 for p in prompts if p["context"]),
-        prompts_per_step=per_step,
-        samples_per_step=per_step * opts.group_size,
-        steps=steps,
-        teacher_model=teacher_model,
-        teacher_checkpoint=teacher_checkpoint,
-        teacher_sees_hint=opts.teacher_hint is not None,
-        renderer=renderer,
-        renderer_source=source,
-        resuming=(run_dir / "checkpoints.jsonl").exists(),
-    )
-    return plan, prompts
 
 
 def check_same_tokenizer(student_tokenizer, teacher_model: str) -> None:
@@ -192,30 +112,6 @@ def check_same_tokenizer(student_tokenizer, teacher_model: str) -> None:
             f"--teacher {teacher_model}: its tokenizer differs from --model's; the teacher "
             "scores the student's tokens, so both need the same tokenizer"
         )
-
-
-def check_server(server, opts: OpsdOptions, plan: OpsdPlan) -> str:
-    """The student's server: sampling length and the loss; then the teacher's server hosts
-    the teacher (its base model, and the checkpoint when one is named)."""
-    from rlcli import endpoint
-    from rlcli.recipes import loss_guard, preflight
-    from rlcli.recipes.rl import parse_loss_config
-
-    server.check_max_tokens(opts.max_tokens)
-    server.check_checkpoint(opts.init_checkpoint, "--init-checkpoint", "training")
-    config = parse_loss_config(opts.loss_config)
-    served_by = loss_guard.check_server(
-        server.base_url, opts.loss, opts.backend, opts.model, config
-    )
-    server.check_loss_config_values(opts.model, opts.loss, config)
-    teacher_url = (opts.teacher_base_url or server.base_url).rstrip("/")
-    teacher_server = server
-    if teacher_url != server.base_url:
-        endpoint.check_server(teacher_url, model=plan.teacher_model, source="--teacher-base-url")
-        teacher_server = preflight.Server(teacher_url)
-    check_teacher_model(teacher_server, plan.teacher_model, opts.teacher_base_url is not None)
-    teacher_server.check_checkpoint(plan.teacher_checkpoint, "--teacher", "sampler")
-    return served_by
 
 
 def check_teacher_model(server, model: str, own_url: bool) -> None:
@@ -237,93 +133,12 @@ def check_teacher_model(server, model: str, own_url: bool) -> None:
     )
 
 
-def resolved(opts: OpsdOptions, plan: OpsdPlan, base_url: str) -> OpsdOptions:
-    """The options as the run uses them: servers, teacher, renderer and data file named."""
-    return dataclasses.replace(
-        opts, base_url=base_url, teacher_base_url=(opts.teacher_base_url or base_url).rstrip("/"),
-        teacher=opts.teacher or opts.model, renderer=plan.renderer, dataset=plan.dataset_path,
-        log_path=plan.run_dir,
-    )  # fmt: skip
-
-
-def commit(opts: OpsdOptions, plan: OpsdPlan, prompts: list[dict]) -> None:
-    """Keep stdin's prompts in the run folder (atomically) for the recipe and for resume."""
-    kept = Path(plan.dataset_path)
-    if opts.dataset != "-":
-        return
-    if kept.exists():
-        with kept.open() as f:
-            if read_prompts(f, str(kept)) == prompts:
-                return
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=kept.parent, prefix=".prompts.")
-    with os.fdopen(fd, "w") as f:
-        f.writelines(json.dumps(as_line(p), ensure_ascii=False) + "\n" for p in prompts)
-    os.replace(tmp, kept)
-
-
-def spec(opts: OpsdOptions, plan: OpsdPlan) -> dict:
-    """What the child process builds the recipe from (``opts``: resolved)."""
-    return {"recipe": "opsd", "options": saved(opts), "plan": asdict(plan)}
-
-
 def shuffled_prompts(path: str, seed: int) -> list[dict]:
     """The prompts in the order the run sees them (shuffled by ``--seed``)."""
     with open(path, encoding="utf-8", errors="replace") as f:
         prompts = read_prompts(f, path)
     random.Random(seed).shuffle(prompts)
     return prompts
-
-
-def cookbook_config(spec: dict):
-    from tinker_cookbook.distillation import train_on_policy
-    from tinker_cookbook.distillation.datasets import DistillationDatasetConfig, TeacherConfig
-
-    from rlcli.recipes.prompts_builder import PromptsBuilder
-
-    opts, plan = spec["options"], spec["plan"]
-    builder = PromptsBuilder(
-        dataset_path=plan["dataset_path"],
-        batch_size=opts["batch_size"],
-        group_size=opts["group_size"],
-        model_name_for_tokenizer=opts["model"],
-        renderer_name=plan["renderer"],
-        seed=opts["seed"],
-    )
-    if teacher_elsewhere(spec):  # scored by the teacher's own server (run_in_child)
-        teacher = TeacherConfig(base_model=opts["model"])
-    else:
-        teacher = TeacherConfig(
-            base_model=plan["teacher_model"], load_checkpoint_path=plan["teacher_checkpoint"]
-        )
-    return train_on_policy.Config(
-        learning_rate=opts["lr"],
-        dataset_configs=[
-            DistillationDatasetConfig(
-                dataset_builder=builder,
-                teacher_config=teacher,
-                groups_per_batch=opts["batch_size"],
-            )
-        ],
-        model_name=opts["model"],
-        recipe_name="rlcli_opsd",
-        renderer_name=plan["renderer"],
-        max_tokens=opts["max_tokens"],
-        temperature=opts["temperature"],
-        lora_rank=opts["lora_rank"],
-        kl_penalty_coef=opts["kl_coef"],
-        kl_discount_factor=opts["kl_discount"],
-        loss_fn=opts["loss"],
-        loss_fn_config=opts["loss_config"],
-        log_path=plan["run_dir"],
-        base_url=opts["base_url"],
-        eval_every=0,
-        save_every=opts["save_every"],
-        load_checkpoint_path=opts["init_checkpoint"],
-        max_steps=plan["steps"],
-        wandb_project=opts["wandb_project"],
-        wandb_name=opts["wandb_name"],
-    )
 
 
 def teacher_elsewhere(spec: dict) -> bool:
@@ -373,44 +188,156 @@ def make_teacher_seam(spec: dict):
     return teacher_for
 
 
-def run_in_child(spec: dict) -> dict:
-    import asyncio
+class Opsd(Recipe):
+    name = "opsd"
+    options = OpsdOptions
+    help = "On-policy self-distillation from a prompts file: a teacher's reverse KL, no reward."
+    show = {TEACHER_KL: "kl"}
+    tokens_key = SAMPLED_TOKENS
 
-    from tinker_cookbook import checkpoint_utils
-    from tinker_cookbook.distillation import train_on_policy
+    def prepare(self, opts: OpsdOptions, stdin=None, dry_run=False) -> tuple[OpsdPlan, list]:
+        """Check flags, model, renderer and every prompt, and count the steps; no server, no
+        writes."""
+        from rlcli.compat import resolve_renderer
+        from rlcli.recipes import loss_guard
+        from rlcli.recipes.preflight import check_model_arg, check_renderer
+        from rlcli.recipes.rl import parse_loss_config
 
-    from rlcli import compat
-    from rlcli.recipes.rl import seed_sampling
+        parse_loss_config(opts.loss_config)
+        loss_guard.check_backend_hint(opts.backend, opts.loss)
+        if opts.kl_penalty_coef or opts.kl_reference:
+            raise RlcliError(
+                "--kl-penalty-coef/--kl-reference: not used by opsd (the teacher's KL weight is "
+                "--kl-coef)"
+            )
+        if opts.eval_every:
+            raise RlcliError("--eval-every: opsd has no evaluation set; leave it at 0")
+        if opts.init_checkpoint and not opts.init_checkpoint.startswith("tinker://"):
+            raise RlcliError(f"--init-checkpoint {opts.init_checkpoint}: expected a tinker:// path")
+        if opts.teacher_hint is not None and not opts.teacher_hint.strip():
+            raise RlcliError("--teacher-hint: empty; give the text the teacher should see")
+        check_model_arg(opts.model)
+        check_renderer(opts.renderer)
+        teacher_model, teacher_checkpoint = teacher_of(opts)
+        if teacher_model != opts.model and not teacher_checkpoint:
+            try:
+                check_model_arg(teacher_model)
+            except RlcliError as e:
+                raise RlcliError(str(e).replace("--model", "--teacher", 1)) from None
+        run_dir = self.run_dir_of(opts)
+        prompts, dataset_path = load_prompts(opts, run_dir, stdin)
+        renderer, source, tokenizer = resolve_renderer(opts.model, opts.renderer)
+        if teacher_model != opts.model:
+            check_same_tokenizer(tokenizer, teacher_model)
+        per_step = min(opts.batch_size, len(prompts))
+        plan = OpsdPlan(
+            run_dir=str(run_dir),
+            dataset_path=str(dataset_path),
+            prompts=len(prompts),
+            prompts_with_context=sum(1 for p in prompts if p["context"]),
+            prompts_per_step=per_step,
+            samples_per_step=per_step * opts.group_size,
+            steps=capped(math.ceil(len(prompts) / opts.batch_size), opts),  # the last: partial
+            teacher_model=teacher_model,
+            teacher_checkpoint=teacher_checkpoint,
+            teacher_sees_hint=opts.teacher_hint is not None,
+            renderer=renderer,
+            renderer_source=source,
+            resuming=resuming(run_dir),
+        )
+        return plan, prompts
 
-    config = cookbook_config(spec)
-    compat.score_teachers_with(make_teacher_seam(spec))
-    seed_sampling(spec["options"]["seed"])
-    asyncio.run(train_on_policy.main(config))
-    last = checkpoint_utils.get_last_checkpoint(config.log_path)
-    kl = metric_values(Path(config.log_path), TEACHER_KL)[TEACHER_KL]
-    return {
-        "run_dir": config.log_path,
-        "teacher": spec["options"]["teacher"],
-        "state_path": last.state_path if last else None,
-        "sampler_path": last.get("sampler_path") if last else None,
-        "first_teacher_kl": (kl or [None])[0],
-        "final_teacher_kl": (kl or [None])[-1],
-    }
+    def check_server(self, server, opts: OpsdOptions, plan: OpsdPlan, report) -> str:
+        """The student's server: sampling length and the loss; then the teacher's server hosts
+        the teacher (its base model, and the checkpoint when one is named)."""
+        from rlcli import endpoint
+        from rlcli.recipes import preflight
+        from rlcli.recipes.rl import check_policy_server, parse_loss_config
 
+        config = parse_loss_config(opts.loss_config)
+        served_by = check_policy_server(server, opts, config, report, note=False)
+        teacher_url = (opts.teacher_base_url or server.base_url).rstrip("/")
+        teacher_server = server
+        if teacher_url != server.base_url:
+            endpoint.check_server(
+                teacher_url, model=plan.teacher_model, source="--teacher-base-url"
+            )
+            teacher_server = preflight.Server(teacher_url)
+        check_teacher_model(teacher_server, plan.teacher_model, opts.teacher_base_url is not None)
+        teacher_server.check_checkpoint(plan.teacher_checkpoint, "--teacher", "sampler")
+        return served_by
 
-COMMAND = "rlcli train opsd"
-SHOW = {TEACHER_KL: "kl"}
-TOKENS_KEY = SAMPLED_TOKENS
+    def resolved_fields(self, opts: OpsdOptions, plan: OpsdPlan, base_url: str) -> dict:
+        """The teacher and its server named, and the data file."""
+        return {
+            "teacher_base_url": (opts.teacher_base_url or base_url).rstrip("/"),
+            "teacher": opts.teacher or opts.model,
+            "dataset": plan.dataset_path,
+        }
 
+    def commit(self, opts: OpsdOptions, plan: OpsdPlan, prompts: list[dict]) -> None:
+        """Keep stdin's prompts in the run folder for the recipe and for resume."""
+        if opts.dataset == "-":
+            keep_lines(Path(plan.dataset_path), [as_line(p) for p in prompts])
 
-def describe(plan: OpsdPlan, served_by: str = "") -> str:
-    teacher = plan.teacher_checkpoint or plan.teacher_model
-    hint = " with the hint" if plan.teacher_sees_hint else ""
-    return (
-        f"{plan.prompts} prompts, {plan.steps} steps of {plan.samples_per_step} samples; "
-        f"teacher {teacher}{hint}"
-    )
+    def describe(self, plan: OpsdPlan, served_by: str = "") -> str:
+        teacher = plan.teacher_checkpoint or plan.teacher_model
+        hint = " with the hint" if plan.teacher_sees_hint else ""
+        return (
+            f"{plan.prompts} prompts, {plan.steps} steps of {plan.samples_per_step} samples; "
+            f"teacher {teacher}{hint}"
+        )
 
+    def cookbook_config(self, spec: dict):
+        from tinker_cookbook.distillation import train_on_policy
+        from tinker_cookbook.distillation.datasets import DistillationDatasetConfig, TeacherConfig
 
-def resume_hint(opts: OpsdOptions, plan: OpsdPlan) -> str:
-    return resume_command(COMMAND, plan.run_dir)
+        from rlcli.recipes.prompts_builder import PromptsBuilder
+
+        opts, plan = spec["options"], spec["plan"]
+        builder = PromptsBuilder(
+            dataset_path=plan["dataset_path"],
+            batch_size=opts["batch_size"],
+            group_size=opts["group_size"],
+            model_name_for_tokenizer=opts["model"],
+            renderer_name=plan["renderer"],
+            seed=opts["seed"],
+        )
+        if teacher_elsewhere(spec):  # scored by the teacher's own server (run_in_child)
+            teacher = TeacherConfig(base_model=opts["model"])
+        else:
+            teacher = TeacherConfig(
+                base_model=plan["teacher_model"], load_checkpoint_path=plan["teacher_checkpoint"]
+            )
+        dataset = DistillationDatasetConfig(
+            dataset_builder=builder, teacher_config=teacher, groups_per_batch=opts["batch_size"]
+        )
+        return train_on_policy.Config(
+            **self.cookbook_kwargs(spec),
+            dataset_configs=[dataset],
+            max_tokens=opts["max_tokens"],
+            temperature=opts["temperature"],
+            kl_penalty_coef=opts["kl_coef"],
+            kl_discount_factor=opts["kl_discount"],
+            loss_fn=opts["loss"],
+            loss_fn_config=opts["loss_config"],
+            eval_every=0,
+            load_checkpoint_path=opts["init_checkpoint"],
+            max_steps=plan["steps"],
+        )
+
+    def run_in_child(self, spec: dict) -> dict:
+        import asyncio
+
+        from tinker_cookbook.distillation import train_on_policy
+
+        from rlcli import compat
+        from rlcli.recipes.rl import seed_sampling
+
+        config = self.cookbook_config(spec)
+        compat.score_teachers_with(make_teacher_seam(spec))
+        seed_sampling(spec["options"]["seed"])
+        asyncio.run(train_on_policy.main(config))
+        series = metric_values(Path(config.log_path), TEACHER_KL)
+        about = {"teacher": spec["options"]["teacher"]}
+        return summary_of(config.log_path, about, **first_last(series, {"teacher_kl": TEACHER_KL}))

@@ -18,8 +18,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 STATUS = "rlcli_status.jsonl"
+CHECKPOINTS = "checkpoints.jsonl"  # the cookbook's: a row per checkpoint saved
 MIN_RATE_WINDOW_S = 2.0  # below this, a rate is noise
 
 
@@ -139,8 +141,25 @@ def describe_status(status: dict) -> str | None:
     return text
 
 
+@runtime_checkable
+class Reporter(Protocol):
+    """What a running recipe reports, as it happens: ``Progress`` prints it (the CLI), the
+    Python API hands it to the caller's callback (``rlcli.api``)."""
+
+    def message(self, text: str) -> None: ...  # a line for the user (e.g. Ctrl-C: saving)
+
+    def step(self, line: StepLine) -> None: ...  # a step's metrics
+
+    def phase(self, status: dict) -> None: ...  # what the run does between steps
+
+    def checkpoint(self, row: dict) -> None: ...  # a row of checkpoints.jsonl: one was saved
+
+    def close(self) -> None: ...
+
+
 class Progress:
-    """A Rich bar on a terminal (``tty``); one plain line per step and phase otherwise."""
+    """A Rich bar on a terminal (``tty``); one plain line per step and phase otherwise. The
+    CLI's ``Reporter``: ``report`` prints a line."""
 
     PLAIN_PHASE_EVERY_S = 5.0  # plain mode: a changing count (rollouts) at most this often
 
@@ -172,6 +191,15 @@ class Progress:
             self.task = self.bar.add_task("train", total=total, line="starting")
             self.bar.start()
 
+    def message(self, text: str) -> None:
+        self.report(text)
+
+    def checkpoint(self, row: dict) -> None:
+        """Not shown: the step lines and the summary say enough."""
+
+    def step(self, line: StepLine) -> None:
+        self.update(line)
+
     def update(self, line: StepLine) -> None:
         if self.bar is None:
             self.report(line.plain())
@@ -180,14 +208,6 @@ class Progress:
         if line.tokens_per_s:
             text += f"  {line.tokens_per_s:.0f} tok/s"
         self.bar.update(self.task, completed=line.step, line=text)
-
-    def phases(self, events: list[dict]) -> None:
-        """Show each new phase in order; of a run of counts (rollouts k/N), only the last."""
-        for i, event in enumerate(events):
-            following = events[i + 1] if i + 1 < len(events) else None
-            if following and "done" in event and following.get("phase") == event.get("phase"):
-                continue
-            self.phase(event)
 
     def phase(self, status: dict) -> None:
         """What the run is doing now (between steps), from ``rlcli_status.jsonl``."""
@@ -214,15 +234,17 @@ class Progress:
 
 class Follower:
     """Follows a run folder: new ``metrics.jsonl`` rows become step lines (``show``: metric key
-    -> label), new status events the phase between steps. Used by the runner while it runs the
-    recipe, and by ``rlcli runs show --follow`` for a run another process runs."""
+    -> label), new status events the phase between steps, new ``checkpoints.jsonl`` rows
+    checkpoints, all told to ``report`` (a ``Reporter``, or a function printing a line, which
+    ``Progress`` drives). Used by the runner while it runs the recipe, and by ``rlcli runs show
+    --follow`` for a run another process runs."""
 
     def __init__(
         self,
         run_dir: Path,
         total: int,
         show: dict[str, str],
-        report: Callable[[str], None],
+        report: Callable[[str], None] | Reporter,
         tokens_key: str = "num_tokens",
         tty: bool | None = None,
     ) -> None:
@@ -230,7 +252,8 @@ class Follower:
         self.metrics = run_dir / "metrics.jsonl"
         self.seen = count_lines(self.metrics)  # a resumed run already has rows
         self.events_seen = count_lines(run_dir / STATUS)
-        self.progress = Progress(total, report, tty=tty)
+        self.checkpoints_seen = count_lines(run_dir / CHECKPOINTS)
+        self.progress = as_reporter(report, total, tty)
         self.rates = Rates()
 
     def poll(self) -> int:
@@ -248,14 +271,35 @@ class Follower:
                 for key, label in self.show.items()
                 if isinstance(row.get(key), int | float)
             }
-            self.progress.update(StepLine(step, self.total, values, tokens_per_s, eta))
+            self.progress.step(StepLine(step, self.total, values, tokens_per_s, eta))
         if rows:
             self.rates.end_poll(now)
         if self.events_seen and count_lines(self.run_dir / STATUS) < self.events_seen:
             self.events_seen = 0  # a new attempt started the status log again
         events, self.events_seen = read_events(self.run_dir, self.events_seen)
-        self.progress.phases(events)
+        for event in _latest_counts(events):
+            self.progress.phase(event)
+        saved, self.checkpoints_seen = read_rows(self.run_dir / CHECKPOINTS, self.checkpoints_seen)
+        for row in saved:
+            self.progress.checkpoint(row)
         return len(rows)
 
     def close(self) -> None:
         self.progress.close()
+
+
+def as_reporter(report, total: int, tty: bool | None = None) -> Reporter:
+    """``report`` itself if it is a ``Reporter``; a function printing a line becomes the
+    CLI's ``Progress`` over it."""
+    return report if isinstance(report, Reporter) else Progress(total, report, tty=tty)
+
+
+def _latest_counts(events: list[dict]) -> list[dict]:
+    """Each new phase in order; of a run of counts (rollouts k/N), only the last."""
+    shown = []
+    for i, event in enumerate(events):
+        following = events[i + 1] if i + 1 < len(events) else None
+        if following and "done" in event and following.get("phase") == event.get("phase"):
+            continue
+        shown.append(event)
+    return shown

@@ -10,23 +10,16 @@ before any rollout; ``cookbook_config`` builds the recipe config from the saved 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlcli.envs.reward_fn import ERRORS_FILE
 from rlcli.errors import RlcliError
-from rlcli.recipes.options import (
-    PolicyOptions,
-    TrainOptions,
-    option,
-    resume_command,
-    retune,
-    saved,
-)
-from rlcli.recipes.runner import default_run_dir, metric_values
+from rlcli.recipes.base import Plan, Recipe, capped, first_last, resuming, summary_of
+from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
+from rlcli.recipes.runner import metric_values
 
 GSM8K_TRAIN_ROWS = 7473  # the hub's openai/gsm8k "main" train split
 GSM8K_TEST_ROWS = 1319
@@ -65,20 +58,21 @@ class RLOptions(PolicyOptions):
 
 
 @dataclass
-class RLPlan:
-    run_dir: str
+class PolicyPlan(Plan):
+    """What an RL-style run's plan says beyond every plan's fields (rl, harbor)."""
+
     loss: str
     loss_config: dict | None
     dataset: str
     data_source: str
+
+
+@dataclass
+class RLPlan(PolicyPlan):
     train_problems: int
     test_problems: int
     problems_per_step: int
     rollouts_per_step: int
-    steps: int
-    renderer: str
-    renderer_source: str
-    resuming: bool
     reward: str | None = None  # FILE.py:FUNCTION, the file's absolute path
 
 
@@ -120,169 +114,6 @@ def check_policy_flags(opts: PolicyOptions) -> dict | None:
     return config
 
 
-def run_dir_of(opts: RLOptions) -> Path:
-    return Path(opts.log_path).expanduser() if opts.log_path else default_run_dir("rl")
-
-
-def prepare(opts: RLOptions, stdin=None, dry_run: bool = False) -> tuple[RLPlan, None]:
-    """Check flags, model, renderer and data, and count the steps; no server, no writes."""
-    from rlcli import envs
-    from rlcli.compat import resolve_renderer
-
-    config = check_policy_flags(opts)
-    reward = None
-    if opts.reward:
-        from rlcli.envs.reward_fn import check_spec
-
-        path, name = check_spec(opts.reward)
-        reward = {"path": str(path), "name": name, "timeout": opts.reward_timeout}
-    env = envs.get(
-        opts.dataset, flag="--dataset", gsm8k_dir=opts.gsm8k_dir,
-        reward=reward and {**reward, "errors_path": None},
-    )  # fmt: skip
-    if env.generated:  # one pass is the environment's own number of batches
-        train_rows, test_rows = env.train_batches * opts.batch_size, opts.eval_size
-    elif env.name == "gsm8k" and env.folder is None:  # the hub: counted, not downloaded
-        train_rows, test_rows = GSM8K_TRAIN_ROWS, GSM8K_TEST_ROWS
-    else:
-        train_rows, test_rows = env.count("train") or 0, env.count("test") or 0
-    if train_rows == 0:
-        raise RlcliError(f"--gsm8k-dir {env.source}: train.jsonl has no rows")
-    if opts.eval_every and not env.has_test_split:
-        raise RlcliError(
-            f"--eval-every {opts.eval_every}: {opts.dataset} is one split, no test problems; "
-            "score a held-out file with `rlcli eval rl --env HELD_OUT.jsonl`"
-        )
-    if opts.eval_every and test_rows == 0:
-        raise RlcliError(f"--eval-every {opts.eval_every}: {env.source}/test.jsonl has no rows")
-    renderer, source, _ = resolve_renderer(opts.model, opts.renderer)
-    run_dir = run_dir_of(opts)
-    steps = math.ceil(train_rows / opts.batch_size)  # the last batch may be partial
-    if opts.max_steps is not None:
-        steps = min(steps, opts.max_steps)
-    plan = RLPlan(
-        run_dir=str(run_dir),
-        loss=opts.loss,
-        loss_config=config,
-        dataset=str(env.path) if env.name == "jsonl" else opts.dataset,
-        data_source=env.source,
-        train_problems=train_rows,
-        test_problems=min(test_rows, opts.eval_size) if opts.eval_every else 0,
-        problems_per_step=min(opts.batch_size, train_rows),
-        rollouts_per_step=min(opts.batch_size, train_rows) * opts.group_size,
-        steps=steps,
-        renderer=renderer,
-        renderer_source=source,
-        resuming=(run_dir / "checkpoints.jsonl").exists(),
-        reward=f"{reward['path']}:{reward['name']}" if reward else None,
-    )
-    return plan, None
-
-
-def check_server(server, opts: RLOptions, plan: RLPlan) -> str:
-    """Before any rollout: the loss guard, then the loss config's keys and values."""
-    from rlcli.recipes import loss_guard
-
-    if plan.data_source.startswith("hub:"):  # fail now, not inside the recipe, if offline
-        from rlcli.data import gsm8k
-
-        gsm8k.load_rows(None, "test")
-    server.check_max_tokens(opts.max_tokens)
-    server.check_checkpoint(opts.init_checkpoint, "--init-checkpoint", "training")
-    server.check_checkpoint(opts.kl_reference, "--kl-reference", "sampler")
-    served_by = loss_guard.check_server(
-        server.base_url, opts.loss, opts.backend, opts.model, plan.loss_config
-    )
-    server.check_loss_config_values(opts.model, opts.loss, plan.loss_config)
-    loss_guard.say_skyrl_note(served_by, opts.loss, plan.loss_config)
-    return served_by
-
-
-def gspo_note_applies(opts: RLOptions, backend: str | None) -> bool:
-    """The SkyRL result-order note matters for gspo on SkyRL, or a server that says nothing."""
-    if opts.loss != "gspo":
-        return False
-    named = backend or opts.backend
-    return named is None or named in ("fsdp", "megatron", "unknown")
-
-
-def resolved(opts: RLOptions, plan: RLPlan, base_url: str) -> RLOptions:
-    """The options a run keeps: the server, renderer and run folder found, a JSONL dataset as
-    an absolute path and GSM8K's folder (so ``--config`` of the run trains on the same data)."""
-    gsm8k = plan.dataset == "gsm8k" and not plan.data_source.startswith("hub:")
-    return dataclasses.replace(
-        opts, base_url=base_url, renderer=plan.renderer, dataset=plan.dataset,
-        gsm8k_dir=plan.data_source if gsm8k else None, log_path=plan.run_dir,
-        reward=plan.reward,
-    )  # fmt: skip
-
-
-def commit(opts: RLOptions, plan: RLPlan, data) -> None:
-    """Nothing to write before the run (the rows stay where they are)."""
-
-
-def spec(opts: RLOptions, plan: RLPlan) -> dict:
-    """What the child process builds the recipe from (``opts``: resolved)."""
-    return {"recipe": "rl", "options": saved(opts), "plan": asdict(plan)}
-
-
-def cookbook_config(spec: dict):
-
-    from rlcli.recipes.env_builder import EnvDatasetBuilder
-
-    opts, plan = spec["options"], spec["plan"]
-    builder = EnvDatasetBuilder(
-        dataset=opts["dataset"],
-        batch_size=opts["batch_size"],
-        group_size=opts["group_size"],
-        model_name_for_tokenizer=opts["model"],
-        renderer_name=plan["renderer"],
-        data_dir=opts["gsm8k_dir"],
-        eval_size=opts["eval_size"] if opts["eval_every"] else 0,
-        seed=opts["seed"],
-        reward=opts.get("reward"),
-        reward_timeout=opts.get("reward_timeout", 10.0),
-        reward_errors_path=str(Path(plan["run_dir"]) / ERRORS_FILE),
-    )
-    return policy_config(spec, builder, "rlcli_rl")
-
-
-def policy_config(spec: dict, builder, recipe_name: str):
-    """The cookbook's ``rl.train.Config`` from an RL-style command's saved options (``train rl``,
-    ``train harbor``): the loss, the KL reference, checkpoints, evaluation, logging."""
-    from tinker_cookbook.rl import train
-
-    opts, plan = spec["options"], spec["plan"]
-    kl_reference = None
-    if opts["kl_penalty_coef"] > 0:  # the base model's weights, or a sampler checkpoint's
-        kl_reference = train.KLReferenceConfig(
-            base_model=opts["model"], load_checkpoint_path=opts["kl_reference"]
-        )
-    return train.Config(
-        learning_rate=opts["lr"],
-        dataset_builder=builder,
-        model_name=opts["model"],
-        recipe_name=recipe_name,
-        max_tokens=opts["max_tokens"],
-        temperature=opts["temperature"],
-        log_path=plan["run_dir"],
-        renderer_name=plan["renderer"],
-        loss_fn=plan["loss"],
-        loss_fn_config=plan["loss_config"],
-        lora_rank=opts["lora_rank"],
-        load_checkpoint_path=opts["init_checkpoint"],
-        kl_penalty_coef=opts["kl_penalty_coef"],
-        kl_reference_config=kl_reference,
-        save_every=opts["save_every"],
-        eval_every=opts["eval_every"],
-        base_url=opts["base_url"],
-        max_steps=plan["steps"],
-        num_groups_to_log=0,
-        wandb_project=opts["wandb_project"],
-        wandb_name=opts["wandb_name"],
-    )
-
-
 REWARD, ACCURACY = "env/all/reward/total", "env/all/correct"
 SAMPLED_TOKENS = "env/all/total_ac_tokens"  # per step: behind the tokens/s shown
 # rlcli's torch server: mean |logp_train - logp_sampler| over the step's sampled tokens
@@ -321,54 +152,192 @@ def seed_sampling(seed: int) -> None:
     tinker.SamplingClient.sample_async = sample_async  # type: ignore[method-assign]
 
 
-def run_in_child(spec: dict) -> dict:
-    import asyncio
-
-    from tinker_cookbook.rl import train
-
-    config = cookbook_config(spec)
-    seed_sampling(spec["options"]["seed"])
-    asyncio.run(train.main(config))
-    if spec["options"].get("reward"):  # the user's function grades: no accuracy
-        summary = policy_summary(config, {})
-        errors = Path(config.log_path) / ERRORS_FILE
-        if errors.exists():
-            summary["reward_errors"] = len(errors.read_text().splitlines())
-            summary["reward_errors_file"] = str(errors)
-        return summary
-    return policy_summary(
-        config, {"final_accuracy": ACCURACY, "test_accuracy": "test/env/all/correct"}
-    )
-
-
 def policy_summary(config, last_values: dict[str, str]) -> dict:
     """The end summary of an ``rl.train`` run: the last checkpoint's paths, the first and last
     reward, and the last value of each metric in ``last_values`` ({summary key: metric})."""
-    from tinker_cookbook import checkpoint_utils
-
-    last = checkpoint_utils.get_last_checkpoint(config.log_path)
     series = metric_values(Path(config.log_path), REWARD, *last_values.values())
-    return {
-        "run_dir": config.log_path,
-        "loss": config.loss_fn,
-        "state_path": last.state_path if last else None,
-        "sampler_path": last.get("sampler_path") if last else None,
-        "first_reward": (series[REWARD] or [None])[0],
-        "final_reward": (series[REWARD] or [None])[-1],
+    return summary_of(
+        config.log_path,
+        {"loss": config.loss_fn},
+        **first_last(series, {"reward": REWARD}),
         **{key: (series[metric] or [None])[-1] for key, metric in last_values.items()},
-    }
+    )
 
 
-COMMAND = "rlcli train rl"
+def check_policy_server(server, opts: PolicyOptions, loss_config, report, note=True) -> str:
+    """The server checks of an RL-style command before any rollout: sampling length, the
+    checkpoints named, the loss guard, then the loss config's keys and values. Returns the
+    backend; says the SkyRL note where it applies (``note``)."""
+    from rlcli.recipes import loss_guard
+
+    server.check_max_tokens(opts.max_tokens)
+    server.check_checkpoint(opts.init_checkpoint, "--init-checkpoint", "training")
+    server.check_checkpoint(opts.kl_reference, "--kl-reference", "sampler")
+    served_by = loss_guard.check_server(
+        server.base_url, opts.loss, opts.backend, opts.model, loss_config
+    )
+    server.check_loss_config_values(opts.model, opts.loss, loss_config)
+    said = loss_guard.skyrl_note(served_by, opts.loss, loss_config) if note else None
+    if said:
+        report(said)
+    return served_by
+
+
+def policy_config(recipe, spec: dict, builder):
+    """The cookbook's ``rl.train.Config`` from an RL-style command's saved options (``train rl``,
+    ``train harbor``): the loss, the KL reference, checkpoints, evaluation, logging."""
+    from tinker_cookbook.rl import train
+
+    opts, plan = spec["options"], spec["plan"]
+    kl_reference = None
+    if opts["kl_penalty_coef"] > 0:  # the base model's weights, or a sampler checkpoint's
+        kl_reference = train.KLReferenceConfig(
+            base_model=opts["model"], load_checkpoint_path=opts["kl_reference"]
+        )
+    return train.Config(
+        **recipe.cookbook_kwargs(spec),
+        dataset_builder=builder,
+        max_tokens=opts["max_tokens"],
+        temperature=opts["temperature"],
+        loss_fn=plan["loss"],
+        loss_fn_config=plan["loss_config"],
+        load_checkpoint_path=opts["init_checkpoint"],
+        kl_penalty_coef=opts["kl_penalty_coef"],
+        kl_reference_config=kl_reference,
+        eval_every=opts["eval_every"],
+        max_steps=plan["steps"],
+        num_groups_to_log=0,
+    )
+
+
 REWARD_ERRORS = "env/all/reward_error"  # --reward: the share of calls that failed, per step
-SHOW = {REWARD: "reward", ACCURACY: "acc", LOGP_DIFF: "dlogp", REWARD_ERRORS: "reward errors"}
-TOKENS_KEY = SAMPLED_TOKENS
 
 
-def describe(plan: RLPlan, served_by: str = "") -> str:
-    backend = f" ({served_by} backend)" if served_by else ""
-    return f"loss {plan.loss}{backend}, {plan.steps} steps of {plan.rollouts_per_step} rollouts"
+class RL(Recipe):
+    name = "rl"
+    options = RLOptions
+    help = (
+        "RL on an environment (gsm8k, arithmetic, niah, your own JSONL) with the cookbook's "
+        "RL recipe; every loss, fused on the server."
+    )
+    show = {REWARD: "reward", ACCURACY: "acc", LOGP_DIFF: "dlogp", REWARD_ERRORS: "reward errors"}
+    tokens_key = SAMPLED_TOKENS
 
+    def prepare(self, opts: RLOptions, stdin=None, dry_run=False) -> tuple[RLPlan, None]:
+        """Check flags, model, renderer and data, and count the steps; no server, no writes."""
+        from rlcli import envs
+        from rlcli.compat import resolve_renderer
 
-def resume_hint(opts: RLOptions, plan: RLPlan) -> str:
-    return resume_command(COMMAND, plan.run_dir)
+        config = check_policy_flags(opts)
+        reward = None
+        if opts.reward:
+            from rlcli.envs.reward_fn import check_spec
+
+            path, name = check_spec(opts.reward)
+            reward = {"path": str(path), "name": name, "timeout": opts.reward_timeout}
+        env = envs.get(
+            opts.dataset, flag="--dataset", gsm8k_dir=opts.gsm8k_dir,
+            reward=reward and {**reward, "errors_path": None},
+        )  # fmt: skip
+        if env.generated:  # one pass is the environment's own number of batches
+            train_rows, test_rows = env.train_batches * opts.batch_size, opts.eval_size
+        elif env.name == "gsm8k" and env.folder is None:  # the hub: counted, not downloaded
+            train_rows, test_rows = GSM8K_TRAIN_ROWS, GSM8K_TEST_ROWS
+        else:
+            train_rows, test_rows = env.count("train") or 0, env.count("test") or 0
+        if train_rows == 0:
+            raise RlcliError(f"--gsm8k-dir {env.source}: train.jsonl has no rows")
+        if opts.eval_every and not env.has_test_split:
+            raise RlcliError(
+                f"--eval-every {opts.eval_every}: {opts.dataset} is one split, no test problems; "
+                "score a held-out file with `rlcli eval rl --env HELD_OUT.jsonl`"
+            )
+        if opts.eval_every and test_rows == 0:
+            raise RlcliError(f"--eval-every {opts.eval_every}: {env.source}/test.jsonl has no rows")
+        renderer, source, _ = resolve_renderer(opts.model, opts.renderer)
+        run_dir = self.run_dir_of(opts)
+        plan = RLPlan(
+            run_dir=str(run_dir),
+            loss=opts.loss,
+            loss_config=config,
+            dataset=str(env.path) if env.name == "jsonl" else opts.dataset,
+            data_source=env.source,
+            train_problems=train_rows,
+            test_problems=min(test_rows, opts.eval_size) if opts.eval_every else 0,
+            problems_per_step=min(opts.batch_size, train_rows),
+            rollouts_per_step=min(opts.batch_size, train_rows) * opts.group_size,
+            steps=capped(math.ceil(train_rows / opts.batch_size), opts),  # the last: partial
+            renderer=renderer,
+            renderer_source=source,
+            resuming=resuming(run_dir),
+            reward=f"{reward['path']}:{reward['name']}" if reward else None,
+        )
+        return plan, None
+
+    def check_server(self, server, opts: RLOptions, plan: RLPlan, report) -> str:
+        """Before any rollout: the hub's GSM8K answers, then the RL-style checks."""
+        if plan.data_source.startswith("hub:"):  # fail now, not inside the recipe, if offline
+            from rlcli.data import gsm8k
+
+            gsm8k.load_rows(None, "test")
+        return check_policy_server(server, opts, plan.loss_config, report)
+
+    def notes(self, opts: RLOptions, served_by: str) -> list[str]:
+        """The SkyRL result-order note matters for gspo on SkyRL, or a server that says
+        nothing."""
+        if opts.loss != "gspo":
+            return []
+        named = served_by or opts.backend
+        return [GSPO_NOTE] if named in (None, "fsdp", "megatron", "unknown") else []
+
+    def resolved_fields(self, opts: RLOptions, plan: RLPlan, base_url: str) -> dict:
+        """A JSONL dataset as an absolute path and GSM8K's folder (so ``--config`` of the run
+        trains on the same data), and the reward file found."""
+        gsm8k = plan.dataset == "gsm8k" and not plan.data_source.startswith("hub:")
+        return {
+            "dataset": plan.dataset,
+            "gsm8k_dir": plan.data_source if gsm8k else None,
+            "reward": plan.reward,
+        }
+
+    def describe(self, plan: RLPlan, served_by: str = "") -> str:
+        backend = f" ({served_by} backend)" if served_by else ""
+        return f"loss {plan.loss}{backend}, {plan.steps} steps of {plan.rollouts_per_step} rollouts"
+
+    def cookbook_config(self, spec: dict):
+        from rlcli.recipes.env_builder import EnvDatasetBuilder
+
+        opts, plan = spec["options"], spec["plan"]
+        builder = EnvDatasetBuilder(
+            dataset=opts["dataset"],
+            batch_size=opts["batch_size"],
+            group_size=opts["group_size"],
+            model_name_for_tokenizer=opts["model"],
+            renderer_name=plan["renderer"],
+            data_dir=opts["gsm8k_dir"],
+            eval_size=opts["eval_size"] if opts["eval_every"] else 0,
+            seed=opts["seed"],
+            reward=opts.get("reward"),
+            reward_timeout=opts.get("reward_timeout", 10.0),
+            reward_errors_path=str(Path(plan["run_dir"]) / ERRORS_FILE),
+        )
+        return policy_config(self, spec, builder)
+
+    def run_in_child(self, spec: dict) -> dict:
+        import asyncio
+
+        from tinker_cookbook.rl import train
+
+        config = self.cookbook_config(spec)
+        seed_sampling(spec["options"]["seed"])
+        asyncio.run(train.main(config))
+        if spec["options"].get("reward"):  # the user's function grades: no accuracy
+            summary = policy_summary(config, {})
+            errors = Path(config.log_path) / ERRORS_FILE
+            if errors.exists():
+                summary["reward_errors"] = len(errors.read_text().splitlines())
+                summary["reward_errors_file"] = str(errors)
+            return summary
+        return policy_summary(
+            config, {"final_accuracy": ACCURACY, "test_accuracy": "test/env/all/correct"}
+        )

@@ -43,8 +43,8 @@ from pathlib import Path
 
 import httpx
 
-from rlcli.errors import Cancelled, RlcliError
-from rlcli.recipes.progress import STATUS, Follower, StepLine, read_rows
+from rlcli.errors import Cancelled, RlcliError, RunFailed
+from rlcli.recipes.progress import STATUS, Follower, Reporter, StepLine, read_rows
 
 __all__ = ["StepLine", "run_recipe", "lock_run_dir", "write_spec"]
 
@@ -199,12 +199,13 @@ def run_recipe(
     total_steps: int,
     show: dict[str, str],
     resume_hint: str,
-    report: Callable[[str], None],
+    report: Callable[[str], None] | Reporter,
     tokens_key: str = "num_tokens",
     base_url: str | None = None,
 ) -> dict:
-    """Run the recipe in ``run_dir``; returns its summary. ``show`` maps metric keys to the
-    labels printed per step (e.g. ``{"train_mean_nll": "loss"}``); ``tokens_key`` is the
+    """Run the recipe in ``run_dir``; returns its summary. ``report`` gets the progress (a
+    ``Reporter``; a function printing a line gets the CLI's display); ``show`` maps metric
+    keys to the step lines' labels (e.g. ``{"train_mean_nll": "loss"}``); ``tokens_key`` is the
     per-step token count behind tokens/s; ``base_url`` (default: the spec's) is the server whose
     health is watched. Every way out stops the child first, and leaves the outcome in the run's
     record (``rlcli_run.json``)."""
@@ -261,7 +262,7 @@ def run_recipe(
             time.sleep(0.25)
     except KeyboardInterrupt:
         stop_reason = (SIGNAL_WHAT[signal.SIGINT], SIGNAL_EXIT[signal.SIGINT])
-        _save_before_stopping(run_dir, child, follower, report)
+        _save_before_stopping(run_dir, child, follower)
     except _Stop as e:
         stop_reason = (SIGNAL_WHAT[e.signum], SIGNAL_EXIT[e.signum])
     except BrokenPipeError:
@@ -298,7 +299,7 @@ def _outcome(run_dir, record, child, stop_reason, watch, base_url, resume_hint) 
         if saved:  # Ctrl-C, and the recipe saved a checkpoint at its step boundary
             what = f"{what} after step {_steps_done(run_dir)}; {_final_checkpoint(run_dir)}"
         end_record(run_dir, record, status, code, what)
-        raise RlcliError(f"{what}; stopped the run. {resume}", exit_code=code)
+        raise RunFailed(f"{what}; stopped the run. {resume}", run_dir, what, exit_code=code)
     if saved:
         end_record(run_dir, record, "cancelled", CANCELLED_EXIT, None)
         raise Cancelled(
@@ -311,16 +312,16 @@ def _outcome(run_dir, record, child, stop_reason, watch, base_url, resume_hint) 
         if gone:
             what = f"the server at {base_url} {gone}"
             end_record(run_dir, record, "failed", 1, what)
-            raise RlcliError(f"{what}; the run failed. {resume}")
+            raise RunFailed(f"{what}; the run failed. {resume}", run_dir, what)
         failure = _failure(run_dir, child.returncode)
         end_record(run_dir, record, "failed", 1, failure.splitlines()[0])
-        raise RlcliError(failure)
+        raise RunFailed(failure, run_dir, failure.splitlines()[0])
     try:
         summary = json.loads((run_dir / SUMMARY).read_text())
     except FileNotFoundError:
         failure = _failure(run_dir, child.returncode)
         end_record(run_dir, record, "failed", 1, failure.splitlines()[0])
-        raise RlcliError(failure) from None
+        raise RunFailed(failure, run_dir, failure.splitlines()[0]) from None
     end_record(run_dir, record, "finished", 0, None)
     return summary
 
@@ -456,7 +457,7 @@ def drop_unsaved_steps(run_dir: Path) -> None:
 CTRL_C_SAVE_S = float(os.environ.get("RLCLI_CTRL_C_SAVE_S") or 10.0)
 
 
-def _save_before_stopping(run_dir: Path, child, follower, report) -> None:
+def _save_before_stopping(run_dir: Path, child, follower) -> None:
     """Ctrl-C: ask the recipe to save a checkpoint at its next step boundary, as ``runs
     cancel`` does, and give it ``CTRL_C_SAVE_S`` seconds; a second Ctrl-C stops it at once."""
     if child is None or child.poll() is not None:
@@ -466,7 +467,7 @@ def _save_before_stopping(run_dir: Path, child, follower, report) -> None:
         json.dump({"pid": os.getpid(), "time": time.time()}, f)
     os.replace(tmp, run_dir / CANCEL)
     with contextlib.suppress(BrokenPipeError, OSError):
-        report(
+        follower.progress.message(
             f"Ctrl-C: saving a checkpoint at the end of this step (up to {CTRL_C_SAVE_S:g}s; "
             "Ctrl-C again stops now)"
         )
