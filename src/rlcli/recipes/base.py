@@ -190,6 +190,21 @@ def keep_lines(path: Path, rows: Iterable[dict]) -> None:
     os.replace(tmp, path)
 
 
+def picked(opts: dict, *names: str) -> dict:
+    """The saved options ``names``, for a cookbook config whose arguments share their names."""
+    return {name: opts[name] for name in names}
+
+
+def dataset_kwargs(spec: dict, *same: str) -> dict:
+    """A cookbook dataset builder's tokenizer and renderer, and the options it names alike."""
+    opts, plan = spec["options"], spec["plan"]
+    return {
+        "model_name_for_tokenizer": opts["model"],
+        "renderer_name": plan["renderer"],
+        **picked(opts, *same),
+    }
+
+
 def summary_of(log_path: str, about: dict | None = None, **fields) -> dict:
     """A run summary: the folder, ``about`` it, its last checkpoint's paths, then ``fields``."""
     from tinker_cookbook import checkpoint_utils

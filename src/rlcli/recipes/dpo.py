@@ -19,16 +19,8 @@ from pathlib import Path
 
 from rlcli.data.pairs import read_pairs
 from rlcli.errors import RlcliError
-from rlcli.recipes.base import (
-    Plan,
-    Recipe,
-    capped,
-    first_last,
-    keep_lines,
-    read_input,
-    resuming,
-    summary_of,
-)
+from rlcli.recipes import base
+from rlcli.recipes.base import Plan, Recipe
 from rlcli.recipes.options import TrainOptions, option, retune
 from rlcli.recipes.runner import metric_values
 
@@ -66,7 +58,7 @@ class DPOPlan(Plan):
 def load_pairs(opts: DPOOptions, run_dir: Path, stdin) -> list[dict]:
     """Every pair, validated (bad lines by number); a resumed run with nothing on stdin reuses
     the folder's copy (the cookbook's rows, which ``read_pairs`` reads too)."""
-    return read_input(opts.dataset, run_dir / PAIRS_FILE, stdin, read_pairs)[0]
+    return base.read_input(opts.dataset, run_dir / PAIRS_FILE, stdin, read_pairs)[0]
 
 
 LOSS, MARGIN, ACCURACY = "dpo_loss", "margin", "accuracy"
@@ -103,10 +95,10 @@ class DPO(Recipe):
             pairs=len(pairs),
             batches_per_epoch=batches,
             dropped_per_epoch=len(pairs) - batches * opts.batch_size,
-            steps=capped(batches * opts.epochs, opts),
+            steps=base.capped(batches * opts.epochs, opts),
             renderer=renderer,
             renderer_source=source,
-            resuming=resuming(run_dir),
+            resuming=base.resuming(run_dir),
         )
         return plan, pairs
 
@@ -116,7 +108,7 @@ class DPO(Recipe):
     def commit(self, opts: DPOOptions, plan: DPOPlan, pairs: list[dict]) -> None:
         """Write the pairs into the run folder (the recipe reads them there; unchanged on a
         resume)."""
-        keep_lines(Path(plan.dataset_path), pairs)
+        base.keep_lines(Path(plan.dataset_path), pairs)
 
     def describe(self, plan: DPOPlan, served_by: str = "") -> str:
         return f"{plan.pairs} pairs, {plan.steps} steps"
@@ -153,4 +145,4 @@ class DPO(Recipe):
         install_dpo_hooks(spec["options"]["seed"], spec["plan"]["batches_per_epoch"])
         train_dpo.main(config)
         series = metric_values(Path(config.log_path), LOSS, MARGIN, ACCURACY)
-        return summary_of(config.log_path, **first_last(series, NAMES))
+        return base.summary_of(config.log_path, **base.first_last(series, NAMES))

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlcli.errors import RlcliError
-from rlcli.recipes.base import Recipe, capped, resuming
+from rlcli.recipes import base
+from rlcli.recipes.base import Recipe
 from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
 from rlcli.recipes.rl import (
     PolicyPlan,
@@ -154,11 +155,11 @@ class Harbor(Recipe):
             tasks=[t.name for t in found],
             groups_per_step=groups,
             rollouts_per_step=groups * opts.group_size,
-            steps=capped(math.ceil(len(found) / opts.groups_per_batch), opts),
+            steps=base.capped(math.ceil(len(found) / opts.groups_per_batch), opts),
             sandbox=opts.sandbox,
             renderer=renderer,
             renderer_source=renderer_source,
-            resuming=resuming(run_dir),
+            resuming=base.resuming(run_dir),
         )
         return plan, None
 
@@ -238,14 +239,12 @@ class Harbor(Recipe):
             stats = Path(plan["run_dir"]) / STATS_FILE
             factory = DockerSandboxFactory(found, run_id(plan["run_dir"]), stats_path=stats)
         builder = HarborDatasetBuilder(
+            **base.picked(opts, "group_size", "max_turns", "command_timeout"),
             tasks=tasks,
             batch_size=opts["groups_per_batch"],
-            group_size=opts["group_size"],
             model_name=opts["model"],
             renderer_name=plan["renderer"],
-            max_turns=opts["max_turns"],
             sandbox_timeout=opts["env_timeout"],
-            command_timeout=opts["command_timeout"],
             grader_timeout=GRADER_TIMEOUT_S,
             max_trajectory_tokens=MAX_TRAJECTORY_TOKENS,
             max_generation_tokens=opts["max_tokens"],

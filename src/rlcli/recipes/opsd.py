@@ -20,16 +20,8 @@ from pathlib import Path
 
 from rlcli.data.prompts import read_prompts
 from rlcli.errors import RlcliError
-from rlcli.recipes.base import (
-    Plan,
-    Recipe,
-    capped,
-    first_last,
-    keep_lines,
-    read_input,
-    resuming,
-    summary_of,
-)
+from rlcli.recipes import base
+from rlcli.recipes.base import Plan, Recipe
 from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
 from rlcli.recipes.runner import metric_values
 
@@ -80,7 +72,7 @@ class OpsdPlan(Plan):
 
 def load_prompts(opts: OpsdOptions, run_dir: Path, stdin) -> tuple[list[dict], Path]:
     """The validated prompts and the file the recipe will read (``base.read_input``)."""
-    return read_input(opts.dataset, run_dir / DATASET_FILE, stdin, read_prompts)
+    return base.read_input(opts.dataset, run_dir / DATASET_FILE, stdin, read_prompts)
 
 
 def as_line(prompt: dict) -> dict:
@@ -116,15 +108,9 @@ def check_same_tokenizer(student_tokenizer, teacher_model: str) -> None:
 
 def check_teacher_model(server, model: str, own_url: bool) -> None:
     """The teacher's server must host its base model: one line naming what it hosts."""
-    from rlcli.recipes.preflight import _same_model
-
-    served = [
-        m.get("model_name")
-        for m in server.caps.get("supported_models") or []
-        if isinstance(m, dict) and m.get("model_name")
-    ]
-    if not served or any(_same_model(model, s) for s in served):
+    if server.serves(model):
         return
+    served = server.served_models()
     where = "--teacher-base-url" if own_url else "the student's server (--base-url)"
     raise RlcliError(
         f"--teacher {model}: the server at {server.base_url} ({where}) hosts only "
@@ -237,13 +223,13 @@ class Opsd(Recipe):
             prompts_with_context=sum(1 for p in prompts if p["context"]),
             prompts_per_step=per_step,
             samples_per_step=per_step * opts.group_size,
-            steps=capped(math.ceil(len(prompts) / opts.batch_size), opts),  # the last: partial
+            steps=base.capped(math.ceil(len(prompts) / opts.batch_size), opts),  # the last: partial
             teacher_model=teacher_model,
             teacher_checkpoint=teacher_checkpoint,
             teacher_sees_hint=opts.teacher_hint is not None,
             renderer=renderer,
             renderer_source=source,
-            resuming=resuming(run_dir),
+            resuming=base.resuming(run_dir),
         )
         return plan, prompts
 
@@ -278,7 +264,7 @@ class Opsd(Recipe):
     def commit(self, opts: OpsdOptions, plan: OpsdPlan, prompts: list[dict]) -> None:
         """Keep stdin's prompts in the run folder for the recipe and for resume."""
         if opts.dataset == "-":
-            keep_lines(Path(plan.dataset_path), [as_line(p) for p in prompts])
+            base.keep_lines(Path(plan.dataset_path), [as_line(p) for p in prompts])
 
     def describe(self, plan: OpsdPlan, served_by: str = "") -> str:
         teacher = plan.teacher_checkpoint or plan.teacher_model
@@ -297,11 +283,7 @@ class Opsd(Recipe):
         opts, plan = spec["options"], spec["plan"]
         builder = PromptsBuilder(
             dataset_path=plan["dataset_path"],
-            batch_size=opts["batch_size"],
-            group_size=opts["group_size"],
-            model_name_for_tokenizer=opts["model"],
-            renderer_name=plan["renderer"],
-            seed=opts["seed"],
+            **base.dataset_kwargs(spec, "batch_size", "group_size", "seed"),
         )
         if teacher_elsewhere(spec):  # scored by the teacher's own server (run_in_child)
             teacher = TeacherConfig(base_model=opts["model"])
@@ -315,8 +297,7 @@ class Opsd(Recipe):
         return train_on_policy.Config(
             **self.cookbook_kwargs(spec),
             dataset_configs=[dataset],
-            max_tokens=opts["max_tokens"],
-            temperature=opts["temperature"],
+            **base.picked(opts, "max_tokens", "temperature"),
             kl_penalty_coef=opts["kl_coef"],
             kl_discount_factor=opts["kl_discount"],
             loss_fn=opts["loss"],
@@ -340,4 +321,6 @@ class Opsd(Recipe):
         asyncio.run(train_on_policy.main(config))
         series = metric_values(Path(config.log_path), TEACHER_KL)
         about = {"teacher": spec["options"]["teacher"]}
-        return summary_of(config.log_path, about, **first_last(series, {"teacher_kl": TEACHER_KL}))
+        return base.summary_of(
+            config.log_path, about, **base.first_last(series, {"teacher_kl": TEACHER_KL})
+        )

@@ -91,14 +91,22 @@ class Server:
     def backend(self) -> str | None:
         return self.caps.get("backend")
 
-    def check_model(self, model: str) -> None:
-        served = [
+    def served_models(self) -> list[str]:
+        return [
             m.get("model_name")
             for m in self.caps.get("supported_models") or []
             if isinstance(m, dict) and m.get("model_name")
         ]
-        if not served or any(_same_model(model, s) for s in served):
+
+    def serves(self, model: str) -> bool:
+        """Whether the server hosts ``model`` (True when it does not say what it hosts)."""
+        served = self.served_models()
+        return not served or any(_same_model(model, s) for s in served)
+
+    def check_model(self, model: str) -> None:
+        if self.serves(model):
             return
+        served = self.served_models()
         raise RlcliError(
             f"--model {model}: the server at {self.base_url} serves {', '.join(served)}; "
             f"pass --model {served[0]} or start a server for this model"

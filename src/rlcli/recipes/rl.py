@@ -17,7 +17,8 @@ from pathlib import Path
 
 from rlcli.envs.reward_fn import ERRORS_FILE
 from rlcli.errors import RlcliError
-from rlcli.recipes.base import Plan, Recipe, capped, first_last, resuming, summary_of
+from rlcli.recipes import base
+from rlcli.recipes.base import Plan, Recipe
 from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
 from rlcli.recipes.runner import metric_values
 
@@ -156,10 +157,10 @@ def policy_summary(config, last_values: dict[str, str]) -> dict:
     """The end summary of an ``rl.train`` run: the last checkpoint's paths, the first and last
     reward, and the last value of each metric in ``last_values`` ({summary key: metric})."""
     series = metric_values(Path(config.log_path), REWARD, *last_values.values())
-    return summary_of(
+    return base.summary_of(
         config.log_path,
         {"loss": config.loss_fn},
-        **first_last(series, {"reward": REWARD}),
+        **base.first_last(series, {"reward": REWARD}),
         **{key: (series[metric] or [None])[-1] for key, metric in last_values.items()},
     )
 
@@ -196,15 +197,12 @@ def policy_config(recipe, spec: dict, builder):
         )
     return train.Config(
         **recipe.cookbook_kwargs(spec),
+        **base.picked(opts, "max_tokens", "temperature", "kl_penalty_coef", "eval_every"),
         dataset_builder=builder,
-        max_tokens=opts["max_tokens"],
-        temperature=opts["temperature"],
         loss_fn=plan["loss"],
         loss_fn_config=plan["loss_config"],
         load_checkpoint_path=opts["init_checkpoint"],
-        kl_penalty_coef=opts["kl_penalty_coef"],
         kl_reference_config=kl_reference,
-        eval_every=opts["eval_every"],
         max_steps=plan["steps"],
         num_groups_to_log=0,
     )
@@ -266,10 +264,10 @@ class RL(Recipe):
             test_problems=min(test_rows, opts.eval_size) if opts.eval_every else 0,
             problems_per_step=min(opts.batch_size, train_rows),
             rollouts_per_step=min(opts.batch_size, train_rows) * opts.group_size,
-            steps=capped(math.ceil(train_rows / opts.batch_size), opts),  # the last: partial
+            steps=base.capped(math.ceil(train_rows / opts.batch_size), opts),  # the last: partial
             renderer=renderer,
             renderer_source=source,
-            resuming=resuming(run_dir),
+            resuming=base.resuming(run_dir),
             reward=f"{reward['path']}:{reward['name']}" if reward else None,
         )
         return plan, None
@@ -309,14 +307,9 @@ class RL(Recipe):
 
         opts, plan = spec["options"], spec["plan"]
         builder = EnvDatasetBuilder(
-            dataset=opts["dataset"],
-            batch_size=opts["batch_size"],
-            group_size=opts["group_size"],
-            model_name_for_tokenizer=opts["model"],
-            renderer_name=plan["renderer"],
+            **base.dataset_kwargs(spec, "dataset", "batch_size", "group_size", "seed"),
             data_dir=opts["gsm8k_dir"],
             eval_size=opts["eval_size"] if opts["eval_every"] else 0,
-            seed=opts["seed"],
             reward=opts.get("reward"),
             reward_timeout=opts.get("reward_timeout", 10.0),
             reward_errors_path=str(Path(plan["run_dir"]) / ERRORS_FILE),

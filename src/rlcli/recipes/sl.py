@@ -15,7 +15,8 @@ from pathlib import Path
 
 from rlcli.data.chat import read_conversations
 from rlcli.errors import RlcliError
-from rlcli.recipes.base import Plan, Recipe, capped, keep_lines, read_input, resuming, summary_of
+from rlcli.recipes import base
+from rlcli.recipes.base import Plan, Recipe
 from rlcli.recipes.options import TrainOptions, option, retune
 from rlcli.recipes.runner import metric_values
 
@@ -78,7 +79,7 @@ def load_dataset(opts: SLOptions, run_dir: Path, stdin) -> tuple[list[dict], Pat
         rows, source = tables.read_rows(opts.dataset)
         lines = (json.dumps(row, ensure_ascii=False, default=str) for row in rows)
         return read_conversations(lines, f"--dataset {source} (row N is line N)"), kept
-    return read_input(opts.dataset, kept, stdin, read_conversations)
+    return base.read_input(opts.dataset, kept, stdin, read_conversations)
 
 
 class SL(Recipe):
@@ -114,7 +115,7 @@ class SL(Recipe):
                 f"--batch-size {opts.batch_size}: larger than the {train_examples} training "
                 "conversations; lower it"
             )
-        steps = capped(batches * opts.epochs, opts)
+        steps = base.capped(batches * opts.epochs, opts)
         if opts.warmup_steps >= steps:
             raise RlcliError(
                 f"--warmup-steps {opts.warmup_steps}: the run has {steps} steps; warm up for fewer"
@@ -137,7 +138,7 @@ class SL(Recipe):
             renderer_source=source,
             tokens_per_epoch=tokens[0],
             held_out_tokens=tokens[1],
-            resuming=resuming(run_dir),
+            resuming=base.resuming(run_dir),
         )
         return plan, conversations
 
@@ -149,7 +150,7 @@ class SL(Recipe):
         resume; a JSONL file is read where it is."""
         kept = Path(plan.dataset_path)
         if kept.name == DATASET_FILE and kept.parent == Path(plan.run_dir):
-            keep_lines(kept, conversations)
+            base.keep_lines(kept, conversations)
 
     def describe(self, plan: SLPlan, served_by: str = "") -> str:
         held_out = f", {plan.held_out} held out" if plan.held_out else ""
@@ -190,7 +191,7 @@ class SL(Recipe):
         install_lr_warmup(spec["options"]["warmup_steps"])
         asyncio.run(train.main(config))
         losses = metric_values(Path(config.log_path), "train_mean_nll")["train_mean_nll"]
-        summary = summary_of(
+        summary = base.summary_of(
             config.log_path, final_loss=(losses or [None])[-1], first_loss=(losses or [None])[0]
         )
         if spec["plan"]["held_out"] and summary["state_path"]:
@@ -225,11 +226,6 @@ def chat_builder_config(spec: dict, **extra):
     """The cookbook's ``ChatDatasetBuilderCommonConfig`` of a chat-data recipe (sl, dpo)."""
     from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 
-    opts, plan = spec["options"], spec["plan"]
     return ChatDatasetBuilderCommonConfig(
-        model_name_for_tokenizer=opts["model"],
-        renderer_name=plan["renderer"],
-        max_length=opts["max_length"],
-        batch_size=opts["batch_size"],
-        **extra,
+        **base.dataset_kwargs(spec, "max_length", "batch_size"), **extra
     )

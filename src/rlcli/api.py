@@ -1,0 +1,182 @@
+"""rlcli's Python API: the ``train``, ``eval`` and ``export`` commands from a script or notebook.
+
+The same options dataclasses as the CLI (``SLOptions``, ``RLOptions``, ...: one field per
+flag, same defaults and checks), the same flow and run folder, the same refusals. What the
+CLI prints as progress comes to ``on_progress`` as events (``Message``, ``Step``,
+``Checkpoint``, ``Tasks``); what it turns into an exit status comes as an exception:
+
+- a refusal (bad options, data, server): ``RlcliError``, its message the CLI's one line;
+- a run that started and did not finish: ``RunFailed`` (``.run_dir``, ``.error``);
+- ``rlcli runs cancel``: ``Cancelled`` (a checkpoint was saved first);
+- Ctrl-C: ``KeyboardInterrupt``, after the checkpoint the CLI saves too.
+
+See ``docs/python-api.md``. Nothing heavy is imported until a function runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlcli.errors import RunFailed
+
+
+@dataclass
+class Message:
+    """A line the CLI would print on stderr (a check passed, a phase of the run)."""
+
+    text: str
+
+
+@dataclass
+class Step:
+    """A training step finished: its metrics by the CLI's labels (``loss``, ``reward``...)."""
+
+    step: int
+    total: int
+    metrics: dict[str, float]
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
+
+
+@dataclass
+class Checkpoint:
+    """The run saved a checkpoint (a row of its ``checkpoints.jsonl``)."""
+
+    name: str | None
+    state_path: str | None
+    sampler_path: str | None
+    row: dict = field(default_factory=dict)
+
+
+@dataclass
+class Tasks:
+    """``evaluate``: ``done`` of ``total`` tasks scored for ``policy`` (base / checkpoint)."""
+
+    policy: str
+    done: int
+    total: int
+
+
+Event = Message | Step | Checkpoint | Tasks
+OnProgress = Callable[[Event], None]
+
+
+class _Events:
+    """The ``progress.Reporter`` that hands each event to ``on_progress``."""
+
+    def __init__(self, on_progress: OnProgress | None) -> None:
+        self.on_progress = on_progress or (lambda event: None)
+
+    def message(self, text: str) -> None:
+        self.on_progress(Message(text))
+
+    def step(self, line) -> None:
+        self.on_progress(Step(line.step, line.total, line.values, line.tokens_per_s, line.eta_s))
+
+    def phase(self, status: dict) -> None:
+        from rlcli.recipes.progress import describe_status
+
+        text = describe_status(status)
+        if text:
+            self.on_progress(Message(text))
+
+    def checkpoint(self, row: dict) -> None:
+        self.on_progress(
+            Checkpoint(row.get("name"), row.get("state_path"), row.get("sampler_path"), row)
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def _recipe_of(options):
+    from rlcli import recipes
+
+    for name in recipes.REGISTRY:
+        recipe = recipes.get(name)
+        if type(options) is recipe.options:
+            return recipe
+    raise TypeError(f"{type(options).__name__}: not the options of a train command")
+
+
+def train(options, *, on_progress: OnProgress | None = None, stdin=None):
+    """Run ``rlcli train`` with ``options`` (``SLOptions``, ``RLOptions``, ``DPOOptions``,
+    ``OpsdOptions``, ``HarborOptions``); the command is the options' type. Returns the
+    outcome: ``.summary`` (what ``done`` prints: ``run_dir``, ``state_path``,
+    ``sampler_path``, the first and final metrics), ``.plan``, ``.options`` (as saved in the
+    run's config.yaml), ``.run_dir``; with ``dry_run=True`` only the plan. ``stdin``: where
+    ``dataset="-"`` reads (default: ``sys.stdin``). Raises as the module docstring says."""
+    from rlcli.recipes import flow
+    from rlcli.recipes.options import check
+
+    recipe = _recipe_of(options)
+    opts = dataclasses.replace(options)  # the flow fills in what it finds; yours stays as is
+    check(opts)
+    events = _Events(on_progress)
+    try:
+        return flow.train(
+            recipe, opts, say=events.message, progress=events, stdin=stdin or sys.stdin
+        )
+    except RunFailed as e:
+        if e.exit_code == 130:  # Ctrl-C, after the checkpoint the recipe saved
+            raise KeyboardInterrupt(str(e)) from e
+        raise
+
+
+def evaluate(options, *, on_progress: OnProgress | None = None) -> dict:
+    """Run ``rlcli eval rl`` with ``options`` (``EvalOptions``); returns what ``--json``
+    prints: the scores (and with ``compare=True`` base, checkpoint and difference)."""
+    from rlcli import evaluate as evaluating
+    from rlcli.recipes.options import check
+
+    check(options)
+    events = _Events(on_progress)
+
+    def tasks(label: str, done: int, total: int) -> None:
+        events.on_progress(Tasks(label, done, total))
+
+    return evaluating.evaluate(options, report=tasks, info=events.message)
+
+
+def export(
+    source: str,
+    output: str | Path,
+    *,
+    merge: bool = False,
+    with_optimizer: bool = False,
+    gguf: bool = False,
+    gguf_type: str = "f16",
+    base_model: str | None = None,
+    force: bool = False,
+    base_url: str | None = None,
+    on_progress: OnProgress | None = None,
+) -> dict[str, Any]:
+    """Run ``rlcli export``: ``source`` is a ``tinker://`` checkpoint, or a run (its id, a
+    unique prefix, or its folder: its last checkpoint); ``output`` the folder (``gguf``: the
+    file) to write. Returns what ``--json`` prints (the files written, the source)."""
+    from rlcli import endpoint
+    from rlcli import export as exporting
+    from rlcli.errors import RlcliError
+
+    if gguf and with_optimizer:
+        raise RlcliError("--gguf and --with-optimizer: a GGUF file has no optimizer state")
+    say = _Events(on_progress).message
+    path = source if source.startswith("tinker://") else exporting.from_run(source, with_optimizer)
+    exporting.check_source(path, with_optimizer)
+    url, where = endpoint.resolve_base_url(base_url)
+    endpoint.check_server(url, source=where, timeout=5)
+    say(endpoint.describe(url, where))
+    if gguf:
+        return exporting.export_gguf(
+            url, path, Path(output), gguf_type=gguf_type, base_model=base_model, force=force,
+            say=say,
+        )  # fmt: skip
+    return exporting.export(
+        url, path, Path(output), merge_model=merge, with_optimizer=with_optimizer,
+        base_model=base_model, force=force, say=say,
+    )  # fmt: skip
