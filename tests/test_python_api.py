@@ -42,7 +42,7 @@ def test_the_documented_example_trains_reports_and_exports(
     assert all(s.total == 2 and "loss" in s.metrics for s in scope["steps"])
     assert len(scope["checkpoints"]) >= 2  # save_every=1, and the final one
     summary = scope["result"].summary
-    assert summary["run_dir"] == str(tmp_path / "runs" / "first")
+    assert Path(summary["run_dir"]).resolve() == (tmp_path / "runs" / "first").resolve()
     saved = [json.loads(line) for line in (tmp_path / "runs/first/checkpoints.jsonl").open()]
     assert summary["sampler_path"] == saved[-1]["sampler_path"]
     assert scope["checkpoints"][-1].sampler_path == saved[-1]["sampler_path"]

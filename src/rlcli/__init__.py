@@ -10,8 +10,7 @@ import importlib
 
 _WHERE = {
     "train": "rlcli.api",
-    "evaluate": "rlcli.api",
-    "export": "rlcli.api",
+    # evaluate and export: rlcli.api (here once the modules of those names have moved away)
     "Message": "rlcli.api",
     "Step": "rlcli.api",
     "Checkpoint": "rlcli.api",
