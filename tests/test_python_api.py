@@ -91,3 +91,42 @@ def test_import_rlcli_stays_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+SCRIPT = """
+import sys
+from rlcli import SLOptions, Step, train
+
+model, data, base_url, run_dir = sys.argv[1:]
+opts = SLOptions(model=model, dataset=data, base_url=base_url, batch_size=1, save_every=0,
+                 log_path=run_dir)
+try:
+    train(opts, on_progress=lambda e: isinstance(e, Step) and print("step", e.step, flush=True))
+except KeyboardInterrupt as e:
+    print("KeyboardInterrupt:", e, flush=True)
+    sys.exit(3)
+"""
+
+
+def test_ctrl_c_is_a_keyboard_interrupt_after_the_checkpoint(tmp_path, server, tiny_model):
+    """As ``train`` on the command line: Ctrl-C saves a checkpoint at the step's end, then the
+    script gets ``KeyboardInterrupt`` (the CLI exits 130)."""
+    import signal
+
+    from conftest import wait_for_steps
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text((EXAMPLES / "conversations.jsonl").read_text())
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-c", SCRIPT, str(tiny_model), str(data), server.base_url]
+    proc = subprocess.Popen([*argv, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    wait_for_steps(run_dir, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out
+    assert "KeyboardInterrupt: interrupted (Ctrl-C) after step" in out
+    saved = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").open()]
+    assert saved and saved[-1]["sampler_path"]
+    from rlcli import runs
+
+    assert runs.show(run_dir)["status"] == "interrupted"

@@ -226,8 +226,9 @@ def _start_skyrl(backend: str, base_model: str, host: str, port: int, **flags) -
         database=str(home / "skyrl" / "tinker.db"),
     )
     result = skyrl.start(
-        home, options, wait=flags["wait"], foreground=flags["foreground"], dry_run=flags["dry_run"]
-    )
+        home, options, wait=flags["wait"], foreground=flags["foreground"],
+        dry_run=flags["dry_run"], say=info,
+    )  # fmt: skip
     if result is None:
         return
     if flags["dry_run"]:
