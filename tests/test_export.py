@@ -18,7 +18,7 @@ import torch
 from tinker import types
 
 from conftest import run_rlcli, start_server, train_zebra
-from rlcli.backends import process
+from rlcli.launch import process
 
 PROBE = "Hello there. zebra zebra zebra, and then some other words."
 

@@ -49,9 +49,9 @@ def test_the_documented_example_trains_reports_and_exports(
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     assert scope["exported"]["files"]
     # The run is an ordinary run folder: `rlcli runs show` reads it, finished.
-    from rlcli import runs
+    from rlcli.runs import catalog
 
-    assert runs.show(tmp_path / "runs" / "first")["status"] == "finished"
+    assert catalog.show(tmp_path / "runs" / "first")["status"] == "finished"
 
     exec(on_this_machine(eval_block, tiny_model, server.base_url), scope)
     assert scope["scores"]["tasks"] == 8
@@ -84,7 +84,7 @@ def test_refusals_and_plans_without_a_server(tmp_path, tiny_model):
 
 def test_import_rlcli_stays_light():
     code = (
-        "import sys, rlcli; from rlcli import train, SLOptions, RLOptions, EvalOptions, RunFailed;"
+        "import sys, rlcli; from rlcli import train, evaluate, export, SLOptions, EvalOptions;"
         "print(sorted(m for m in ('torch', 'tinker', 'transformers', 'tinker_cookbook') "
         "if m in sys.modules))"
     )
@@ -127,6 +127,6 @@ def test_ctrl_c_is_a_keyboard_interrupt_after_the_checkpoint(tmp_path, server, t
     assert "KeyboardInterrupt: interrupted (Ctrl-C) after step" in out
     saved = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").open()]
     assert saved and saved[-1]["sampler_path"]
-    from rlcli import runs
+    from rlcli.runs import catalog
 
-    assert runs.show(run_dir)["status"] == "interrupted"
+    assert catalog.show(run_dir)["status"] == "interrupted"

@@ -194,7 +194,7 @@ def test_bad_flags_are_refused(tmp_path, tiny_model, chat_file):
 
 def test_a_wrong_api_key_is_one_line_before_the_run_folder(tmp_path, tiny_model, chat_file):
     from conftest import start_server
-    from rlcli.backends import process
+    from rlcli.launch import process
 
     record = start_server(tmp_path / "srv", tiny_model, api_key="tml-secret")
     try:

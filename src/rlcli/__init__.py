@@ -10,7 +10,8 @@ import importlib
 
 _WHERE = {
     "train": "rlcli.api",
-    # evaluate and export: rlcli.api (here once the modules of those names have moved away)
+    "evaluate": "rlcli.api",
+    "export": "rlcli.api",
     "Message": "rlcli.api",
     "Step": "rlcli.api",
     "Checkpoint": "rlcli.api",
@@ -20,7 +21,7 @@ _WHERE = {
     "DPOOptions": "rlcli.recipes.dpo",
     "OpsdOptions": "rlcli.recipes.opsd",
     "HarborOptions": "rlcli.recipes.harbor",
-    "EvalOptions": "rlcli.evaluate",
+    "EvalOptions": "rlcli.client.evaluate",
     "RlcliError": "rlcli.errors",
     "RunFailed": "rlcli.errors",
     "Cancelled": "rlcli.errors",

@@ -79,7 +79,7 @@ class _Events:
         self.on_progress(Step(line.step, line.total, line.values, line.tokens_per_s, line.eta_s))
 
     def phase(self, status: dict) -> None:
-        from rlcli.recipes.progress import describe_status
+        from rlcli.runs.progress import describe_status
 
         text = describe_status(status)
         if text:
@@ -131,7 +131,7 @@ def train(options, *, on_progress: OnProgress | None = None, stdin=None):
 def evaluate(options, *, on_progress: OnProgress | None = None) -> dict:
     """Run ``rlcli eval rl`` with ``options`` (``EvalOptions``); returns what ``--json``
     prints: the scores (and with ``compare=True`` base, checkpoint and difference)."""
-    from rlcli import evaluate as evaluating
+    from rlcli.client import evaluate as evaluating
     from rlcli.recipes.options import check
 
     check(options)
@@ -159,8 +159,8 @@ def export(
     """Run ``rlcli export``: ``source`` is a ``tinker://`` checkpoint, or a run (its id, a
     unique prefix, or its folder: its last checkpoint); ``output`` the folder (``gguf``: the
     file) to write. Returns what ``--json`` prints (the files written, the source)."""
-    from rlcli import endpoint
-    from rlcli import export as exporting
+    from rlcli.client import endpoint
+    from rlcli.client import export as exporting
     from rlcli.errors import RlcliError
 
     if gguf and with_optimizer:

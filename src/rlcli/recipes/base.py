@@ -59,7 +59,7 @@ class Recipe:
     # ---- in the ``rlcli`` process: plan, check, commit ----------------------------------
 
     def run_dir_of(self, opts) -> Path:
-        from rlcli.recipes.runner import default_run_dir
+        from rlcli.runs.runner import default_run_dir
 
         return Path(opts.log_path).expanduser() if opts.log_path else default_run_dir(self.name)
 

@@ -22,7 +22,7 @@ from rlcli.errors import RlcliError
 from rlcli.recipes import base
 from rlcli.recipes.base import Plan, Recipe
 from rlcli.recipes.options import TrainOptions, option, retune
-from rlcli.recipes.runner import metric_values
+from rlcli.runs.runner import metric_values
 
 PAIRS_FILE = "pairs.jsonl"  # the cookbook's LabeledComparison rows, in the run folder
 SCHEDULES = ("constant", "linear", "cosine")
@@ -76,7 +76,7 @@ class DPO(Recipe):
 
     def prepare(self, opts: DPOOptions, stdin=None, dry_run=False) -> tuple[DPOPlan, list[dict]]:
         """Validate the model, renderer and pairs, count the steps; writes nothing."""
-        from rlcli.compat import resolve_renderer
+        from rlcli.compat.renderer_choice import resolve_renderer
         from rlcli.recipes.preflight import check_model_arg, check_renderer
 
         check_model_arg(opts.model)
@@ -139,7 +139,7 @@ class DPO(Recipe):
     def run_in_child(self, spec: dict) -> dict:
         from tinker_cookbook.preference import train_dpo
 
-        from rlcli.compat import install_dpo_hooks
+        from rlcli.compat.run_hooks import install_dpo_hooks
 
         config = self.cookbook_config(spec)
         install_dpo_hooks(spec["options"]["seed"], spec["plan"]["batches_per_epoch"])

@@ -51,11 +51,11 @@ def train(
 
 
 def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
-    from rlcli import endpoint
+    from rlcli.client import endpoint
 
     if opts.wandb_project or opts.wandb_name:
         require_wandb(opts)
-    from rlcli.models import local_model
+    from rlcli.models.gguf import local_model
 
     if opts.model:  # a .gguf becomes the folder it converts to (what the server serves)
         preflight.check_model_arg(opts.model)
@@ -71,9 +71,9 @@ def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
 
     if getattr(opts, "dataset", None) != "-":
         stdin = None
-    from rlcli import compat
+    from rlcli.compat import renderer_choice
 
-    with compat.before_hub_lookup(None if opts.dry_run else hosted):
+    with renderer_choice.before_hub_lookup(None if opts.dry_run else hosted):
         plan, data = recipe.prepare(opts, stdin=stdin, dry_run=opts.dry_run)
     preflight.check_run_dir(Path(plan.run_dir))
     run_opts = recipe.resolved(opts, plan, url)
@@ -86,7 +86,7 @@ def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
     served_by = check_server(recipe, run_opts, plan, url, source, say)
     for note in recipe.notes(opts, served_by):
         say(note)
-    from rlcli.recipes import runner
+    from rlcli.runs import runner
 
     runner.lock_run_dir(Path(plan.run_dir))  # before anything is written into the folder
     recipe.commit(opts, plan, data)  # the options as given (sl: was it stdin?)
@@ -112,7 +112,7 @@ def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
 
 def check_server(recipe: Recipe, opts, plan, url: str, source: str, say) -> str:
     """Everything the server can tell before the run folder exists; returns its backend."""
-    from rlcli import endpoint
+    from rlcli.client import endpoint
 
     endpoint.check_server(url, model=opts.model, source=source)
     server = preflight.Server(url)
@@ -158,9 +158,9 @@ def detach(recipe: Recipe, opts, plan) -> dict:
     import subprocess
     import time
 
-    from rlcli.backends.process import start_ticks
-    from rlcli.recipes import runner
-    from rlcli.runs import DETACHED_LOG
+    from rlcli.launch.process import start_ticks
+    from rlcli.runs import runner
+    from rlcli.runs.catalog import DETACHED_LOG
 
     run_dir = Path(plan.run_dir).resolve()
     config = options.write_config(run_dir, opts, recipe.command)

@@ -137,7 +137,7 @@ class Harbor(Recipe):
     def prepare(self, opts: HarborOptions, stdin=None, dry_run=False) -> tuple[HarborPlan, None]:
         """Check flags, model, renderer and every task folder, and count the steps; no server,
         no sandbox, no writes."""
-        from rlcli.compat import resolve_renderer
+        from rlcli.compat.renderer_choice import resolve_renderer
 
         config = check_policy_flags(opts)
         if opts.sandbox == "modal":
@@ -209,7 +209,7 @@ class Harbor(Recipe):
             yield dataclasses.replace(opts, log_path=str(run_dir))
         finally:
             from rlcli.harbor import docker
-            from rlcli.recipes.runner import SPEC
+            from rlcli.runs.runner import SPEC
 
             # Only once a recipe may have started (a refused run made no container).
             ran = (run_dir / SPEC).exists()
@@ -220,7 +220,7 @@ class Harbor(Recipe):
     # ---- in the recipe child ----------------------------------------------------------------
 
     def cookbook_config(self, spec: dict):
-        from rlcli.compat import import_harbor_env
+        from rlcli.compat.harbor_hooks import import_harbor_env
         from rlcli.harbor.docker import STATS_FILE, DockerSandboxFactory
 
         harbor_env = import_harbor_env()  # modal need not be installed
@@ -257,10 +257,10 @@ class Harbor(Recipe):
 
         from tinker_cookbook.rl import train
 
-        from rlcli import compat
+        from rlcli.compat import harbor_hooks
         from rlcli.harbor import docker
 
-        compat.install_harbor_hooks()
+        harbor_hooks.install_harbor_hooks()
         config = self.cookbook_config(spec)
         seed_sampling(spec["options"]["seed"])
         run = run_id(config.log_path)

@@ -6,7 +6,7 @@ optionally seeing a ``--teacher-hint`` the student never sees) scores the studen
 the negative reverse KL is each token's advantage for an ``importance_sampling`` update. No
 reward is needed. ``prepare`` validates the prompts and plans without a server; ``check_server``
 checks the student's and the teacher's servers; ``run_in_child`` runs the recipe with the
-teacher seam of ``compat.score_teachers_with`` (the hint, a teacher on another server, SkyRL's
+teacher seam of ``distill.score_teachers_with`` (the hint, a teacher on another server, SkyRL's
 short logprob lists). The pedagogical version of the loop is the cookbook's
 ``recipes/distillation/on_policy_distillation.py``.
 """
@@ -23,7 +23,7 @@ from rlcli.errors import RlcliError
 from rlcli.recipes import base
 from rlcli.recipes.base import Plan, Recipe
 from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
-from rlcli.recipes.runner import metric_values
+from rlcli.runs.runner import metric_values
 
 DATASET_FILE = "prompts.jsonl"  # stdin's prompts, kept in the run folder
 HINT_SEPARATOR = "\n\n"  # the teacher sees: hint, blank line, prompt
@@ -151,8 +151,8 @@ def hinted_prompts(spec: dict) -> dict[tuple[int, ...], list[int]]:
 
 
 def make_teacher_seam(spec: dict):
-    """The function ``compat.score_teachers_with`` applies to the recipe's teacher client."""
-    from rlcli import compat
+    """The function ``distill.score_teachers_with`` applies to the recipe's teacher client."""
+    from rlcli.compat import distill
 
     opts, plan = spec["options"], spec["plan"]
     hinted = hinted_prompts(spec) if opts["teacher_hint"] is not None else None
@@ -164,11 +164,11 @@ def make_teacher_seam(spec: dict):
         remote = service.create_sampling_client(
             base_model=plan["teacher_model"], model_path=plan["teacher_checkpoint"]
         ).result()
-    teachers: dict[int, compat.Teacher] = {}
+    teachers: dict[int, distill.Teacher] = {}
 
     def teacher_for(client):
         if id(client) not in teachers:
-            teachers[id(client)] = compat.Teacher(remote or client, hinted)
+            teachers[id(client)] = distill.Teacher(remote or client, hinted)
         return teachers[id(client)]
 
     return teacher_for
@@ -184,7 +184,7 @@ class Opsd(Recipe):
     def prepare(self, opts: OpsdOptions, stdin=None, dry_run=False) -> tuple[OpsdPlan, list]:
         """Check flags, model, renderer and every prompt, and count the steps; no server, no
         writes."""
-        from rlcli.compat import resolve_renderer
+        from rlcli.compat.renderer_choice import resolve_renderer
         from rlcli.recipes import loss_guard
         from rlcli.recipes.preflight import check_model_arg, check_renderer
         from rlcli.recipes.rl import parse_loss_config
@@ -236,7 +236,7 @@ class Opsd(Recipe):
     def check_server(self, server, opts: OpsdOptions, plan: OpsdPlan, report) -> str:
         """The student's server: sampling length and the loss; then the teacher's server hosts
         the teacher (its base model, and the checkpoint when one is named)."""
-        from rlcli import endpoint
+        from rlcli.client import endpoint
         from rlcli.recipes import preflight
         from rlcli.recipes.rl import check_policy_server, parse_loss_config
 
@@ -312,11 +312,11 @@ class Opsd(Recipe):
 
         from tinker_cookbook.distillation import train_on_policy
 
-        from rlcli import compat
+        from rlcli.compat import distill
         from rlcli.recipes.rl import seed_sampling
 
         config = self.cookbook_config(spec)
-        compat.score_teachers_with(make_teacher_seam(spec))
+        distill.score_teachers_with(make_teacher_seam(spec))
         seed_sampling(spec["options"]["seed"])
         asyncio.run(train_on_policy.main(config))
         series = metric_values(Path(config.log_path), TEACHER_KL)

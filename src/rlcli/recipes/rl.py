@@ -20,7 +20,7 @@ from rlcli.errors import RlcliError
 from rlcli.recipes import base
 from rlcli.recipes.base import Plan, Recipe
 from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
-from rlcli.recipes.runner import metric_values
+from rlcli.runs.runner import metric_values
 
 GSM8K_TRAIN_ROWS = 7473  # the hub's openai/gsm8k "main" train split
 GSM8K_TEST_ROWS = 1319
@@ -136,7 +136,7 @@ def seed_sampling(seed: int) -> None:
 
     import tinker
 
-    from rlcli.compat import bounded_seed
+    from rlcli.compat.skyrl_client import bounded_seed
 
     original = tinker.SamplingClient.sample_async
     seen: Counter = Counter()
@@ -224,7 +224,7 @@ class RL(Recipe):
     def prepare(self, opts: RLOptions, stdin=None, dry_run=False) -> tuple[RLPlan, None]:
         """Check flags, model, renderer and data, and count the steps; no server, no writes."""
         from rlcli import envs
-        from rlcli.compat import resolve_renderer
+        from rlcli.compat.renderer_choice import resolve_renderer
 
         config = check_policy_flags(opts)
         reward = None

@@ -18,7 +18,7 @@ from rlcli.errors import RlcliError
 from rlcli.recipes import base
 from rlcli.recipes.base import Plan, Recipe
 from rlcli.recipes.options import TrainOptions, option, retune
-from rlcli.recipes.runner import metric_values
+from rlcli.runs.runner import metric_values
 
 DATASET_FILE = "dataset.jsonl"
 SCHEDULES = ("constant", "linear", "cosine")  # the cookbook's LRSchedule
@@ -91,7 +91,7 @@ class SL(Recipe):
 
     def prepare(self, opts: SLOptions, stdin=None, dry_run=False) -> tuple[SLPlan, list[dict]]:
         """Validate the model, renderer and data, count what will be trained; writes nothing."""
-        from rlcli.compat import resolve_renderer
+        from rlcli.compat.renderer_choice import resolve_renderer
         from rlcli.recipes.preflight import check_model_arg, check_renderer
 
         check_model_arg(opts.model)
@@ -170,7 +170,7 @@ class SL(Recipe):
         return train.Config(
             **self.cookbook_kwargs(spec),
             dataset_builder=builder,
-            lr_schedule=opts["lr_schedule"],  # after warmup: compat.install_lr_warmup
+            lr_schedule=opts["lr_schedule"],  # after warmup: run_hooks.install_lr_warmup
             num_epochs=opts["epochs"],
             eval_every=opts["eval_every"],  # and once more at the end (run_in_child)
             infrequent_eval_every=0,
@@ -185,7 +185,7 @@ class SL(Recipe):
         from tinker_cookbook.supervised import train
         from tinker_cookbook.supervised.nll_evaluator import NLLEvaluator
 
-        from rlcli.compat import install_lr_warmup
+        from rlcli.compat.run_hooks import install_lr_warmup
 
         config = self.cookbook_config(spec)
         install_lr_warmup(spec["options"]["warmup_steps"])
