@@ -92,13 +92,14 @@ def test_export_takes_every_run_id_runs_takes(tmp_path, monkeypatch):
 
     from rlcli.client import export
     from rlcli.runs import catalog, runner
+    from rlcli.runs import folder as run_folder
 
     monkeypatch.setenv("RLCLI_HOME", str(tmp_path / "home"))
     inside = tmp_path / "home" / "runs" / "sl-20261201-101010"
     outside = tmp_path / "elsewhere" / "my-run"  # a --log-path folder, listed in the index
     for folder, name in ((inside, "in"), (outside, "out")):
         folder.mkdir(parents=True)
-        runner.write_record(folder, {"id": folder.name, "status": "finished"})
+        run_folder.write_record(folder, {"id": folder.name, "status": "finished"})
         row = {"name": "final", "sampler_path": f"tinker://{name}/sampler_weights/final"}
         (folder / "checkpoints.jsonl").write_text(json.dumps(row) + "\n")
     runner.register_run(outside)

@@ -147,8 +147,8 @@ def _detach(recipe, opts, plan, as_json: bool) -> None:
     import time
 
     from rlcli.launch.process import start_ticks
-    from rlcli.runs import runner
-    from rlcli.runs.catalog import DETACHED_LOG
+    from rlcli.runs import folder, runner
+    from rlcli.runs.folder import DETACHED_LOG
 
     run_dir = Path(plan.run_dir).resolve()
     config = options.write_config(run_dir, opts, recipe.COMMAND)
@@ -169,9 +169,9 @@ def _detach(recipe, opts, plan, as_json: bool) -> None:
             start_new_session=True,
             pass_fds=(lock_fd,),
         )
-    before = runner.read_record(run_dir) or {}
+    before = folder.read_record(run_dir) or {}
     if not (before.get("pid") == child.pid and before.get("status") == "running"):
-        runner.write_record(
+        folder.write_record(
             run_dir,
             {
                 "id": run_dir.name,

@@ -32,14 +32,13 @@ from typing import Any
 
 import httpx
 
+from rlcli.checkpoint_format import ARCHIVE_FILES, RESTORE_FILES, STATE_FILES
 from rlcli.client import endpoint
 from rlcli.client.sample_chat import split_tinker_path
 from rlcli.errors import RlcliError
+from rlcli.files.jsonl import read_jsonl
 
 MANIFEST = "rlcli_export.json"  # where it came from: restore reads the tinker:// path here
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "checkpoint.json")
-STATE_FILES = ("optimizer.pt", "run.json")
-STATE_UPLOAD = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "run.json")
 
 Say = Callable[[str], None]
 
@@ -62,16 +61,9 @@ def from_run(run: str, with_optimizer: bool) -> str:
             folder = rlcli_home() / "runs" / run  # a folder there that rlcli did not start
             if not folder.is_dir():
                 raise
-    rows = []
-    ledger = folder / "checkpoints.jsonl"
-    if ledger.is_file():
-        for line in ledger.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut by a crash; the rows before it stand
+    rows, _ = read_jsonl(folder / "checkpoints.jsonl")  # the cookbook's, wherever it ran
     key = "state_path" if with_optimizer else "sampler_path"
-    paths = [r[key] for r in rows if isinstance(r, dict) and r.get(key)]
+    paths = [r[key] for r in rows if r.get(key)]
     if not paths:
         what = "training state" if with_optimizer else "sampler checkpoint"
         raise RlcliError(f"{folder}: the run recorded no {what} in checkpoints.jsonl")
@@ -220,7 +212,7 @@ def export(
         tar_path = work / "checkpoint.tar"
         say(f"downloading {path} ...")
         download(link, tar_path, say)
-        wanted = ADAPTER_FILES + (STATE_FILES if with_optimizer else ())
+        wanted = ARCHIVE_FILES + (STATE_FILES if with_optimizer else ())
         adapter_dir = work / "adapter" if merge_model else staged
         adapter_dir.mkdir(exist_ok=True)
         unpack(tar_path, adapter_dir, wanted)
@@ -278,7 +270,7 @@ def export_gguf(
         download(link, work / "checkpoint.tar", say)
         adapter = work / "adapter"
         adapter.mkdir()
-        unpack(work / "checkpoint.tar", adapter, ADAPTER_FILES)
+        unpack(work / "checkpoint.tar", adapter, ARCHIVE_FILES)
         config = json.loads((adapter / "adapter_config.json").read_text())
         trained_on = config.get("base_model_name_or_path")
         merge(adapter, base_model or trained_on, work / "merged", say, as_saved=False)
@@ -406,7 +398,7 @@ def restore(
             f"{folder}: exported without --with-optimizer; export the training state with "
             "--with-optimizer to continue training elsewhere"
         )
-    missing = [n for n in STATE_UPLOAD if not (folder / n).is_file()]
+    missing = [n for n in RESTORE_FILES if not (folder / n).is_file()]
     if missing:
         raise RlcliError(f"{folder}: missing {', '.join(missing)}")
     path = manifest["source"]
@@ -414,7 +406,7 @@ def restore(
     fd, tar_path = tempfile.mkstemp(suffix=".tar")
     try:
         with open(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
-            for n in STATE_UPLOAD:
+            for n in RESTORE_FILES:
                 tar.add(folder / n, arcname=n)
         size = Path(tar_path).stat().st_size
         say(f"uploading {human(size)} to {url} as {path} ...")

@@ -24,10 +24,11 @@ from typing import Any
 
 import httpx
 
+from rlcli.checkpoint_format import TinkerPathError, parse_tinker_path
 from rlcli.client import endpoint
 from rlcli.errors import RlcliError
 
-KINDS = ("weights", "sampler_weights")
+KINDS = ("weights", "sampler_weights")  # what sample, chat and export take
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,16 @@ class Target:
 
 def split_tinker_path(path: str, flag: str = "--checkpoint") -> tuple[str, str, str]:
     """``tinker://RUN/KIND/NAME`` -> (run, kind, name), or one line saying the expected form."""
-    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
-    if len(parts) != 3 or parts[1] not in KINDS or not parts[0] or not parts[2]:
+    try:  # the server's own rules: what it would refuse is refused here, before asking it
+        ref = parse_tinker_path(path)
+    except TinkerPathError:
+        ref = None
+    if ref is None or ref.kind not in KINDS:
         raise RlcliError(
             f"{flag} {path}: not a checkpoint path; expected tinker://RUN/sampler_weights/NAME "
             "or tinker://RUN/weights/NAME"
         )
-    return parts[0], parts[1], parts[2]
+    return ref.run_id, ref.kind, ref.name
 
 
 def post_json(url: str, path: str, body: dict, *, timeout: float = 10.0) -> httpx.Response:

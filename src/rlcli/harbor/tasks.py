@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcli.errors import RlcliError
+from rlcli.files.lastline import last_line
 
 DEFAULT_DATASET = "terminal-bench@2.0"
 DEFAULT_CPUS = 1.0
@@ -220,8 +221,7 @@ def _download(dataset: str, target: Path, hint: str) -> None:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RlcliError(f"--dataset {dataset}: download failed ({e}); {hint}") from None
     if done.returncode != 0:
-        lines = (done.stderr or done.stdout or "").strip().splitlines()
-        last = lines[-1][:300] if lines else f"exit code {done.returncode}"
+        last = last_line(done.stderr or done.stdout or "") or f"exit code {done.returncode}"
         raise RlcliError(
             f"--dataset {dataset}: `uvx harbor datasets download` failed ({last}); {hint}"
         )

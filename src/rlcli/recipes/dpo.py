@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlcli.data.pairs import read_pairs
 from rlcli.errors import RlcliError
+from rlcli.files import atomic
 from rlcli.recipes.options import TrainOptions, option, resume_command, retune, saved
 from rlcli.runs.runner import default_run_dir, metric_values
 
@@ -126,10 +125,7 @@ def commit(opts: DPOOptions, plan: DPOPlan, pairs: list[dict]) -> None:
     if kept.exists() and kept.read_text() == "".join(lines):
         return
     kept.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=kept.parent, prefix=".pairs.")
-    with os.fdopen(fd, "w") as f:
-        f.writelines(lines)
-    os.replace(tmp, kept)
+    atomic.write_text(kept, "".join(lines))
 
 
 def resolved(opts: DPOOptions, plan: DPOPlan, base_url: str) -> DPOOptions:

@@ -206,7 +206,7 @@ def train(train_flow, opts: HarborOptions) -> None:
         train_flow(sys.modules[__name__], opts)
     finally:
         from rlcli.harbor import docker
-        from rlcli.runs.runner import SPEC
+        from rlcli.runs.folder import SPEC
 
         # Only once a recipe may have started (a refused run made no container).
         left = docker.remove_run_containers(run_id(run_dir)) if (run_dir / SPEC).exists() else 0

@@ -16,15 +16,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import random
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlcli.data.chat import stdin_text
 from rlcli.data.prompts import read_prompts
 from rlcli.errors import RlcliError
+from rlcli.files import atomic
 from rlcli.recipes.options import (
     PolicyOptions,
     TrainOptions,
@@ -256,10 +255,9 @@ def commit(opts: OpsdOptions, plan: OpsdPlan, prompts: list[dict]) -> None:
             if read_prompts(f, str(kept)) == prompts:
                 return
     kept.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=kept.parent, prefix=".prompts.")
-    with os.fdopen(fd, "w") as f:
-        f.writelines(json.dumps(as_line(p), ensure_ascii=False) + "\n" for p in prompts)
-    os.replace(tmp, kept)
+    atomic.write_text(
+        kept, "".join(json.dumps(as_line(p), ensure_ascii=False) + "\n" for p in prompts)
+    )
 
 
 def spec(opts: OpsdOptions, plan: OpsdPlan) -> dict:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlcli.data.chat import read_conversations, stdin_text
 from rlcli.errors import RlcliError
+from rlcli.files import atomic
 from rlcli.recipes.options import TrainOptions, option, resume_command, retune, saved
 from rlcli.runs.runner import default_run_dir, metric_values
 
@@ -117,10 +116,9 @@ def keep_stdin(opts: SLOptions, plan: SLPlan, conversations: list[dict]) -> None
     if kept.exists() and _same_rows(kept, conversations):
         return
     kept.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=kept.parent, prefix=".dataset.")
-    with os.fdopen(fd, "w") as f:
-        f.writelines(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
-    os.replace(tmp, kept)
+    atomic.write_text(
+        kept, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations)
+    )
 
 
 def _same_rows(path: Path, conversations: list[dict]) -> bool:

@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from rlcli.runs.progress import STATUS
-from rlcli.runs.runner import CANCEL, CANCELLED_EXIT, PARENT_PID_ENV, SPEC, SUMMARY
+from rlcli.runs.folder import CANCEL, SPEC, STATUS, SUMMARY
+from rlcli.runs.runner import CANCELLED_EXIT, PARENT_PID_ENV
 
 
 def tie_to_parent() -> None:
