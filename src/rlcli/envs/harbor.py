@@ -51,11 +51,11 @@ class HarborTasks(Environment):
     multi_turn = True
 
     def __init__(self, spec: str, flag: str = "--env", task_filter: str | None = None) -> None:
-        from rlcli.recipes.harbor import load_tasks
+        from rlcli.harbor.tasks import dataset_tasks
 
         self.spec, self.flag = spec, flag
         try:
-            self.folder, self._source, self.specs = load_tasks(spec, task_filter, None)
+            self.folder, self._source, self.specs = dataset_tasks(spec, task_filter, None)
         except RlcliError as e:
             raise RlcliError(_reflag(str(e), flag, spec)) from None
 
@@ -119,7 +119,7 @@ class HarborTasks(Environment):
 
         from rlcli.compat import harbor_hooks
         from rlcli.harbor import docker
-        from rlcli.recipes.harbor import GRADER_TIMEOUT_S, MAX_TRAJECTORY_TOKENS
+        from rlcli.harbor.tasks import GRADER_TIMEOUT_S, MAX_TRAJECTORY_TOKENS
 
         harbor_env = harbor_hooks.import_harbor_env()
         harbor_hooks.install_harbor_hooks()

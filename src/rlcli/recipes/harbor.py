@@ -19,12 +19,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlcli.errors import RlcliError
+from rlcli.harbor.tasks import GRADER_TIMEOUT_S, MAX_TRAJECTORY_TOKENS, dataset_tasks
 from rlcli.recipes.options import PolicyOptions, TrainOptions, option, resume_command, retune, saved
 from rlcli.recipes.rl import check_policy_flags, policy_config, policy_summary, seed_sampling
 from rlcli.runs.runner import default_run_dir
-
-GRADER_TIMEOUT_S = 60  # a task's [verifier] timeout_sec raises it
-MAX_TRAJECTORY_TOKENS = 32 * 1024  # the cookbook's default: past it the episode ends
 
 
 @dataclass(kw_only=True)
@@ -85,13 +83,6 @@ def run_id(run_dir: str | Path) -> str:
     return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
 
 
-def load_tasks(dataset: str, task_filter: str | None, max_tasks: int | None, download=True):
-    from rlcli.harbor import tasks
-
-    folder, source = tasks.resolve_dataset(dataset, download=download)
-    return folder, source, tasks.load_tasks(folder, task_filter, max_tasks)
-
-
 def check_modal() -> None:
     import importlib.util
     import os
@@ -116,7 +107,7 @@ def prepare(opts: HarborOptions, stdin=None, dry_run: bool = False) -> tuple[Har
     config = check_policy_flags(opts)
     if opts.sandbox == "modal":
         check_modal()
-    folder, source, found = load_tasks(opts.dataset, opts.task_filter, opts.max_tasks)
+    folder, source, found = dataset_tasks(opts.dataset, opts.task_filter, opts.max_tasks)
     renderer, renderer_source, _ = resolve_renderer(opts.model, opts.renderer)
     run_dir = run_dir_of(opts)
     groups = min(opts.groups_per_batch, len(found))
@@ -159,7 +150,7 @@ def check_server(server, opts: HarborOptions, plan: HarborPlan) -> str:
         from rlcli.harbor import docker
 
         version = docker.check_daemon()
-        _, _, found = load_tasks(plan.dataset, opts.task_filter, opts.max_tasks, download=False)
+        _, _, found = dataset_tasks(plan.dataset, opts.task_filter, opts.max_tasks, download=False)
         built = []
         for task in found:
             if docker.needs_build(task):
@@ -228,7 +219,7 @@ def cookbook_config(spec: dict):
     HarborDatasetBuilder, HarborTask = harbor_env.HarborDatasetBuilder, harbor_env.HarborTask
 
     opts, plan = spec["options"], spec["plan"]
-    _, _, found = load_tasks(plan["dataset"], opts["task_filter"], opts["max_tasks"], False)
+    _, _, found = dataset_tasks(plan["dataset"], opts["task_filter"], opts["max_tasks"], False)
     tasks = [
         HarborTask(task_name=t.name, instruction=t.instruction, task_dir=t.folder, config=t.config)
         for t in found

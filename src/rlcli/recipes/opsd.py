@@ -16,12 +16,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlcli.data.chat import stdin_text
-from rlcli.data.prompts import read_prompts
+from rlcli.data.prompts import read_prompts, shuffled_prompts
 from rlcli.errors import RlcliError
 from rlcli.files import atomic
 from rlcli.recipes.options import (
@@ -265,19 +264,11 @@ def spec(opts: OpsdOptions, plan: OpsdPlan) -> dict:
     return {"recipe": "opsd", "options": saved(opts), "plan": asdict(plan)}
 
 
-def shuffled_prompts(path: str, seed: int) -> list[dict]:
-    """The prompts in the order the run sees them (shuffled by ``--seed``)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        prompts = read_prompts(f, path)
-    random.Random(seed).shuffle(prompts)
-    return prompts
-
-
 def cookbook_config(spec: dict):
     from tinker_cookbook.distillation import train_on_policy
     from tinker_cookbook.distillation.datasets import DistillationDatasetConfig, TeacherConfig
 
-    from rlcli.recipes.prompts_builder import PromptsBuilder
+    from rlcli.recipes.prompts_builder import PromptsBuilder  # lazy: imports the cookbook
 
     opts, plan = spec["options"], spec["plan"]
     builder = PromptsBuilder(
