@@ -226,7 +226,12 @@ def _start_skyrl(backend: str, base_model: str, host: str, port: int, **flags) -
         database=str(home / "skyrl" / "tinker.db"),
     )
     result = skyrl.start(
-        home, options, wait=flags["wait"], foreground=flags["foreground"], dry_run=flags["dry_run"]
+        home,
+        options,
+        wait=flags["wait"],
+        foreground=flags["foreground"],
+        dry_run=flags["dry_run"],
+        say=info,
     )
     if result is None:
         return

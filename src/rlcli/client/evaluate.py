@@ -216,7 +216,7 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
 
 def _check_max_tokens(url: str, max_tokens: int) -> int | None:
     """``max_tokens`` is one the server samples; the served model's context, when it says."""
-    from rlcli.recipes.preflight import Server
+    from rlcli.client.server_info import Server
 
     caps = Server(url).caps
     top = caps.get("max_sample_tokens")

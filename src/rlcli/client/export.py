@@ -36,7 +36,6 @@ from rlcli.checkpoint_format import ARCHIVE_FILES, RESTORE_FILES, STATE_FILES
 from rlcli.client import endpoint
 from rlcli.client.sample_chat import split_tinker_path
 from rlcli.errors import RlcliError
-from rlcli.files.jsonl import read_jsonl
 
 MANIFEST = "rlcli_export.json"  # where it came from: restore reads the tinker:// path here
 
@@ -44,30 +43,6 @@ Say = Callable[[str], None]
 
 
 # ---- which checkpoint ----------------------------------------------------------------------
-
-
-def from_run(run: str, with_optimizer: bool) -> str:
-    """The last checkpoint a run folder recorded (``checkpoints.jsonl``): its sampler path, or
-    its state path with ``with_optimizer``. ``run`` is any id ``rlcli runs`` takes (a run's
-    name, a unique prefix of one, a run folder's path, a ``--log-path`` folder in the index)."""
-    from rlcli.home import rlcli_home
-    from rlcli.runs import catalog
-
-    folder = Path(run).expanduser()  # any folder with a checkpoints.jsonl (the cookbook's too)
-    if not folder.is_dir() or "/" not in run:
-        try:
-            folder = catalog.resolve(run)
-        except RlcliError:
-            folder = rlcli_home() / "runs" / run  # a folder there that rlcli did not start
-            if not folder.is_dir():
-                raise
-    rows, _ = read_jsonl(folder / "checkpoints.jsonl")  # the cookbook's, wherever it ran
-    key = "state_path" if with_optimizer else "sampler_path"
-    paths = [r[key] for r in rows if r.get(key)]
-    if not paths:
-        what = "training state" if with_optimizer else "sampler checkpoint"
-        raise RlcliError(f"{folder}: the run recorded no {what} in checkpoints.jsonl")
-    return paths[-1]
 
 
 def check_source(path: str, with_optimizer: bool) -> tuple[str, str, str]:

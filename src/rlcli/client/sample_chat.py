@@ -98,7 +98,7 @@ def resolve_target(
     max_tokens: int | None = None,
 ) -> Target:
     """Check the server and what to sample from; one line for each way it can be wrong."""
-    from rlcli.recipes.preflight import Server
+    from rlcli.client.server_info import Server
 
     if not model and not checkpoint:
         raise RlcliError("pass --model MODEL (a base model) or --checkpoint tinker://...")
@@ -297,9 +297,9 @@ def sample_error(target: Target, error: BaseException) -> RlcliError:
     import tinker
 
     if isinstance(error, tinker.APIStatusError):
-        from rlcli.recipes.preflight import _detail
+        from rlcli.client.server_info import server_reason
 
-        return RlcliError(f"sampling {target.label} failed: {_detail(error)}")
+        return RlcliError(f"sampling {target.label} failed: {server_reason(error)}")
     if isinstance(error, tinker.APIConnectionError):
         return RlcliError(f"sampling {target.label}: lost the server at {target.base_url}")
     return RlcliError(f"sampling {target.label} failed: {type(error).__name__}: {error}")

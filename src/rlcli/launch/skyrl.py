@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -360,15 +361,20 @@ def wait_for_engine(home: Path, record: process.ServerRecord, wait: float) -> No
 
 
 def start(
-    home: Path, options: SkyRLOptions, *, wait: float, foreground: bool, dry_run: bool
+    home: Path,
+    options: SkyRLOptions,
+    *,
+    wait: float,
+    foreground: bool,
+    dry_run: bool,
+    say: Callable[[str], None] = print,
 ) -> dict | None:
     """``serve start`` for a SkyRL backend. Every check that needs no download comes first
     (flags, uv, Python, CUDA, a server already here, the port); then the environment (installed
     once), then the server, detached until its engine has loaded the model, or in the
     foreground. Returns the plan (dry run) or the started server's summary (None after a
-    foreground run, whose exit code is raised as ``SystemExit``)."""
-    from rlcli.cli._output import info
-
+    foreground run, whose exit code is raised as ``SystemExit``). ``say`` hears what it is
+    doing (the CLI's stderr lines)."""
     check_flags(options)
     uv, python = find_uv(), find_python()
     if dry_run:
@@ -381,20 +387,20 @@ def start(
             "stop it with `rlcli serve stop`"
         )
     process.check_port_free(options.host, options.port)
-    venv_python = str(ensure_env(home, options.backend, uv, python, say=info))
+    venv_python = str(ensure_env(home, options.backend, uv, python, say=say))
     Path(options.database).parent.mkdir(parents=True, exist_ok=True)
     Path(options.checkpoints_dir).mkdir(parents=True, exist_ok=True)
     command = server_command(options, uv, venv_python)
     env = server_env(home, options, uv)
     where = f"{options.host}:{options.port}"
     if foreground:
-        info(f"serving {options.base_model} with SkyRL {options.backend} on {where}")
+        say(f"serving {options.base_model} with SkyRL {options.backend} on {where}")
         code = process.run_foreground(
             home, command, host=options.host, port=options.port,
             base_model=options.base_model, backend=options.backend, env=env,
         )  # fmt: skip
         raise SystemExit(code if code >= 0 else 128 - code)
-    info(f"starting SkyRL {options.backend} for {options.base_model} on {where} ...")
+    say(f"starting SkyRL {options.backend} for {options.base_model} on {where} ...")
     started = time.monotonic()
     record, _ = process.start_detached(
         home, command, host=options.host, port=options.port, base_model=options.base_model,

@@ -231,6 +231,30 @@ def show(run_dir: Path) -> dict:
     }
 
 
+# ---- export: which checkpoint -----------------------------------------------------------
+
+
+def checkpoint_path(run: str, with_optimizer: bool) -> str:
+    """The last checkpoint a run folder recorded (``checkpoints.jsonl``): its sampler path, or
+    its state path with ``with_optimizer``. ``run`` is any id ``rlcli runs`` takes (a run's
+    name, a unique prefix of one, a run folder's path, a ``--log-path`` folder in the index)."""
+    run_dir = Path(run).expanduser()  # any folder with a checkpoints.jsonl (the cookbook's too)
+    if not run_dir.is_dir() or "/" not in run:
+        try:
+            run_dir = resolve(run)
+        except RlcliError:
+            run_dir = runs_root() / run  # a folder there that rlcli did not start
+            if not run_dir.is_dir():
+                raise
+    rows = folder.checkpoint_rows(run_dir)  # the cookbook's, wherever it ran
+    key = "state_path" if with_optimizer else "sampler_path"
+    paths = [r[key] for r in rows if r.get(key)]
+    if not paths:
+        what = "training state" if with_optimizer else "sampler checkpoint"
+        raise RlcliError(f"{run_dir}: the run recorded no {what} in checkpoints.jsonl")
+    return paths[-1]
+
+
 # ---- cancel ---------------------------------------------------------------------------------
 
 
