@@ -9,6 +9,8 @@ from pathlib import Path
 import typer
 
 from rlcli.cli._output import emit, info
+from rlcli.recipes.options import resume_command
+from rlcli.runs.progress import Follower
 
 app = typer.Typer(help="Training runs: list, show, plot, cancel.", no_args_is_help=True)
 
@@ -78,7 +80,6 @@ def _follow(run_dir: Path) -> None:
     import time
 
     from rlcli.runs import catalog
-    from rlcli.runs.progress import Follower
 
     now = catalog.state(run_dir)
     try:  # each recipe module names what its progress lines show
@@ -198,7 +199,6 @@ def cancel(
     ),
     as_json: bool = JSON,
 ) -> None:
-    from rlcli.recipes.options import resume_command
     from rlcli.runs import catalog
 
     run_dir = catalog.resolve(run)

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from rlcli import envs
 from rlcli.errors import RlcliError
 from rlcli.recipes.options import option
 
@@ -145,7 +146,6 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
     what was resolved (server, renderer)."""
     import asyncio
 
-    from rlcli import envs
     from rlcli.client import endpoint, sample_chat
 
     say = info or (lambda line: None)

@@ -26,7 +26,11 @@ import httpx
 
 from rlcli.checkpoint_format import TinkerPathError, parse_tinker_path
 from rlcli.client import endpoint
+from rlcli.client.server_info import Server, server_reason
+from rlcli.compat.renderer_choice import resolve_renderer
+from rlcli.compat.skyrl_client import accept_unnumbered_samples
 from rlcli.errors import RlcliError
+from rlcli.models.gguf import local_model
 
 KINDS = ("weights", "sampler_weights")  # what sample, chat and export take
 
@@ -98,7 +102,6 @@ def resolve_target(
     max_tokens: int | None = None,
 ) -> Target:
     """Check the server and what to sample from; one line for each way it can be wrong."""
-    from rlcli.client.server_info import Server
 
     if not model and not checkpoint:
         raise RlcliError("pass --model MODEL (a base model) or --checkpoint tinker://...")
@@ -107,8 +110,6 @@ def resolve_target(
     if max_tokens is not None:
         server.check_max_tokens(max_tokens)
     if model:  # a .gguf becomes the folder the server loaded from it
-        from rlcli.models.gguf import local_model
-
         model = local_model(model, report=None)
     if not checkpoint:
         server.check_model(model)
@@ -167,8 +168,6 @@ class Talker:
     def open(self) -> Talker:
         from tinker_cookbook import renderers
 
-        from rlcli.compat.renderer_choice import resolve_renderer
-
         name, why, tokenizer = resolve_renderer(self.target.base_model, self.renderer_name)
         if tokenizer is None:
             raise RlcliError(
@@ -187,8 +186,6 @@ class Talker:
 
     def _sampling_client(self):
         import tinker
-
-        from rlcli.compat.skyrl_client import accept_unnumbered_samples
 
         accept_unnumbered_samples()  # a SkyRL server answers samples the 0.25 way
         service = tinker.ServiceClient(base_url=self.target.base_url, api_key=endpoint.api_key())
@@ -297,8 +294,6 @@ def sample_error(target: Target, error: BaseException) -> RlcliError:
     import tinker
 
     if isinstance(error, tinker.APIStatusError):
-        from rlcli.client.server_info import server_reason
-
         return RlcliError(f"sampling {target.label} failed: {server_reason(error)}")
     if isinstance(error, tinker.APIConnectionError):
         return RlcliError(f"sampling {target.label}: lost the server at {target.base_url}")

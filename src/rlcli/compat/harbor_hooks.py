@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from tinker.proto import tinker_public_pb2 as public_pb  # noqa: F401  (generated schema)
-
 # ---- Harbor: the cookbook's recipes/harbor_rl with rlcli's sandbox (train harbor, eval rl) ---
 #
 # tinker-cookbook 0.5.7's ``recipes/harbor_rl/harbor_env.py`` imports

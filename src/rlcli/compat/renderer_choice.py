@@ -7,8 +7,6 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from tinker.proto import tinker_public_pb2 as public_pb  # noqa: F401  (generated schema)
-
 _BEFORE_HUB_LOOKUP: list = []  # checks to make before a hub id's tokenizer is looked up
 
 

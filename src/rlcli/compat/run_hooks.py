@@ -5,8 +5,6 @@ hook and checked by ``tests/test_compat.py``."""
 
 from __future__ import annotations
 
-from tinker.proto import tinker_public_pb2 as public_pb  # noqa: F401  (generated schema)
-
 # ---- Run hooks: exact SL resume, and progress from inside the recipes ------------------------
 #
 # tinker-cookbook 0.5.7 ``supervised/train.py`` pipelines: with ``submit_ahead`` k (default 1)

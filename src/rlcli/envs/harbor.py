@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlcli.compat import harbor_hooks
 from rlcli.envs.base import Environment, Problems
 from rlcli.errors import RlcliError
 
@@ -117,7 +118,6 @@ class HarborTasks(Environment):
         from tinker_cookbook.rl.rollouts import do_group_rollout
         from tinker_cookbook.tokenizer_utils import get_tokenizer
 
-        from rlcli.compat import harbor_hooks
         from rlcli.harbor import docker
         from rlcli.harbor.tasks import GRADER_TIMEOUT_S, MAX_TRAJECTORY_TOKENS
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rlcli.data.chat import read_jsonl
 from rlcli.envs.base import Environment
+from rlcli.errors import RlcliError
 
 
 def _text(number: int | float) -> str:
@@ -74,12 +75,8 @@ class JsonlFile(Environment):
             with self.path.open() as f:
                 rows = read_jsonl(f, f"{flag} {path}", parse, what)
         except OSError as e:
-            from rlcli.errors import RlcliError
-
             raise RlcliError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
         except UnicodeDecodeError:
-            from rlcli.errors import RlcliError
-
             raise RlcliError(f"{flag} {path}: not UTF-8 text") from None
         for i, row in enumerate(rows):
             row.setdefault("id", f"row-{i + 1}")

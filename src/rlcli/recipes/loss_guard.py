@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from rlcli.client import endpoint
 from rlcli.errors import RlcliError
+from rlcli.home import rlcli_home
 
 CHOICES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo", "ppo_critic")
 BACKEND_LOSSES = {
@@ -82,7 +83,6 @@ def say_skyrl_note(backend: str | None, loss: str, config: dict | None) -> None:
 
 def managed_backend(base_url: str) -> str | None:
     """The backend of the server ``rlcli serve start`` runs here, if ``base_url`` is it."""
-    from rlcli.home import rlcli_home
     from rlcli.launch import process
 
     record, _ = process.live_record(rlcli_home())

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rlcli.errors import RlcliError
 from rlcli.files import atomic, lastline
+from rlcli.home import rlcli_home
 from rlcli.runs import folder
 from rlcli.runs.folder import (
     CONSOLE,
@@ -54,7 +55,6 @@ METRICS = {
 
 
 def runs_root() -> Path:
-    from rlcli.home import rlcli_home
 
     return rlcli_home() / "runs"
 

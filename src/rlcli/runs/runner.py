@@ -42,6 +42,7 @@ from pathlib import Path
 
 import httpx
 
+from rlcli.client import endpoint
 from rlcli.errors import Cancelled, RlcliError
 from rlcli.files.lastline import last_error_line
 from rlcli.runs import folder
@@ -159,7 +160,6 @@ class _HealthWatch(threading.Thread):
 
     def check(self) -> str | None:
         """None while the server is fine (or still loading its model); else what is wrong."""
-        from rlcli.client import endpoint
 
         try:
             response = httpx.get(self.url, headers=endpoint.headers(), timeout=4.0)

@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from rlcli.models.names import resolve_model_name
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rlcli.server")
@@ -29,7 +31,6 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from rlcli.models.names import resolve_model_name
     from rlcli.server.app import create_app
     from rlcli.server.state import Settings
 
