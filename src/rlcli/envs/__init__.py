@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rlcli.envs.base import Environment, Problems
 from rlcli.errors import RlcliError
+from rlcli.harbor.tasks import is_dataset_name, is_task_folder
 
 NAMES = ("gsm8k", "arithmetic", "niah")
 USAGE = "gsm8k, arithmetic, niah[:words=N,depth=D], or a .jsonl file of {question, answer}"
@@ -66,7 +67,6 @@ def get(
         return Niah.from_params(settings, spec, flag)
     usage = USAGE + (HARBOR_USAGE if harbor else "")
     path = Path(spec).expanduser()
-    from rlcli.harbor.tasks import is_dataset_name
 
     if (path.is_dir() and _harbor(path)) or is_dataset_name(spec):
         if harbor:
@@ -91,7 +91,6 @@ def get(
 
 def _harbor(folder: Path) -> bool:
     """A Harbor task folder, or a folder of them (what ``train harbor --dataset`` takes)."""
-    from rlcli.harbor.tasks import is_task_folder
 
     return is_task_folder(folder) or any(
         p.is_dir() and is_task_folder(p) for p in folder.iterdir() if not p.name.startswith(".")

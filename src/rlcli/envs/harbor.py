@@ -25,6 +25,8 @@ from pathlib import Path
 from rlcli.compat import harbor_hooks
 from rlcli.envs.base import Environment, Problems
 from rlcli.errors import RlcliError
+from rlcli.harbor import docker
+from rlcli.harbor.tasks import GRADER_TIMEOUT_S, MAX_TRAJECTORY_TOKENS, dataset_tasks
 
 TURN_MARK = "[turn {n}]"  # heads each assistant turn in an episode's response
 
@@ -52,7 +54,6 @@ class HarborTasks(Environment):
     multi_turn = True
 
     def __init__(self, spec: str, flag: str = "--env", task_filter: str | None = None) -> None:
-        from rlcli.harbor.tasks import dataset_tasks
 
         self.spec, self.flag = spec, flag
         try:
@@ -80,7 +81,6 @@ class HarborTasks(Environment):
     def prepare(self, say: Callable[[str], None]) -> None:
         """The daemon answers and every task's image is there (built now when missing), before
         any sampling; one line when not."""
-        from rlcli.harbor import docker
 
         try:
             version = docker.check_daemon()
@@ -117,9 +117,6 @@ class HarborTasks(Environment):
 
         from tinker_cookbook.rl.rollouts import do_group_rollout
         from tinker_cookbook.tokenizer_utils import get_tokenizer
-
-        from rlcli.harbor import docker
-        from rlcli.harbor.tasks import GRADER_TIMEOUT_S, MAX_TRAJECTORY_TOKENS
 
         harbor_env = harbor_hooks.import_harbor_env()
         harbor_hooks.install_harbor_hooks()

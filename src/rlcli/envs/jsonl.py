@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rlcli.data.chat import read_jsonl
 from rlcli.envs.base import Environment
+from rlcli.envs.reward_fn import scorer
 from rlcli.errors import RlcliError
 
 
@@ -96,7 +97,6 @@ class JsonlFile(Environment):
     def make_env(self, row: dict, renderer):
         if self.reward:
             from rlcli.envs.reward_env import RewardFnEnv
-            from rlcli.envs.reward_fn import scorer
 
             return RewardFnEnv(row, renderer, scorer(**self.reward))
         from rlcli.envs.answer import AnswerEnv
