@@ -232,7 +232,7 @@ def export_gguf(
 
     Written beside ``out`` under a hidden name and renamed at the end; ``--force`` replaces
     only a GGUF file (its magic bytes), nothing else."""
-    from rlcli.client.gguf_export import TYPES, write_gguf
+    from rlcli.client.gguf_export import TYPES, write_gguf  # lazy: imports numpy
 
     check_source(path, False)
     if gguf_type not in TYPES:

@@ -88,7 +88,7 @@ def unload_adapters(created: list[tuple[str, str]]) -> None:
 
     import httpx
 
-    from rlcli.client import endpoint
+    from rlcli.client import endpoint  # lazy: imports httpx
 
     while created:
         base_url, model_id = created.pop()

@@ -141,7 +141,7 @@ def demo_model(base_model: str | None, home: Path, report: Callable[[str], None]
             tiny.build_tiny_model(folder)
         return str(folder)
     if base_model:
-        from rlcli.launch.torch_server import check_base_model
+        from rlcli.launch.torch_server import check_base_model  # lazy: imports httpx
 
         return check_base_model(base_model, report=report)
     folder = _smollm2_from_hub(report)
@@ -334,8 +334,8 @@ def run_demo(config: DemoConfig, home: Path, report: Callable[[str], None]) -> D
 
     import tinker
 
-    from rlcli.launch import process
-    from rlcli.launch import torch_server as torch_backend
+    from rlcli.launch import process  # lazy: imports httpx
+    from rlcli.launch import torch_server as torch_backend  # lazy: imports httpx
 
     logging.getLogger("tinker").setLevel(logging.ERROR)  # its retry notes are not progress
     started = time.monotonic()

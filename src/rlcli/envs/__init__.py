@@ -53,16 +53,16 @@ def get(
     if name in NAMES:
         settings = _params(params, spec, flag)
         if name == "gsm8k":
-            from rlcli.envs.gsm8k import Gsm8k
+            from rlcli.envs.gsm8k import Gsm8k  # lazy: loaded when its spec is asked for
 
             _no_params(settings, spec, flag)
             return Gsm8k(gsm8k_dir)
         if name == "arithmetic":
-            from rlcli.envs.arithmetic import Arithmetic
+            from rlcli.envs.arithmetic import Arithmetic  # lazy: loaded when its spec is asked for
 
             _no_params(settings, spec, flag)
             return Arithmetic()
-        from rlcli.envs.niah import Niah
+        from rlcli.envs.niah import Niah  # lazy: loaded when its spec is asked for
 
         return Niah.from_params(settings, spec, flag)
     usage = USAGE + (HARBOR_USAGE if harbor else "")
@@ -70,7 +70,7 @@ def get(
 
     if (path.is_dir() and _harbor(path)) or is_dataset_name(spec):
         if harbor:
-            from rlcli.envs.harbor import HarborTasks
+            from rlcli.envs.harbor import HarborTasks  # lazy: loaded when its spec is asked for
 
             return HarborTasks(spec, flag, task_filter)
         raise RlcliError(
@@ -81,7 +81,7 @@ def get(
     if path.is_dir():
         raise RlcliError(f"{flag} {spec}: a folder, not an environment; use {usage}")
     if path.is_file():
-        from rlcli.envs.jsonl import JsonlFile
+        from rlcli.envs.jsonl import JsonlFile  # lazy: loaded when its spec is asked for
 
         return JsonlFile(path, flag, reward)
     if path.suffix == ".jsonl" or "/" in spec:

@@ -96,9 +96,9 @@ class JsonlFile(Environment):
 
     def make_env(self, row: dict, renderer):
         if self.reward:
-            from rlcli.envs.reward_env import RewardFnEnv
+            from rlcli.envs.reward_env import RewardFnEnv  # lazy: imports the cookbook, tinker
 
             return RewardFnEnv(row, renderer, scorer(**self.reward))
-        from rlcli.envs.answer import AnswerEnv
+        from rlcli.envs.answer import AnswerEnv  # lazy: imports the cookbook
 
         return AnswerEnv(row["question"], row["answer"], renderer)

@@ -60,7 +60,7 @@ def renderer_names() -> tuple[str, ...]:
     branches and whatever was registered (tests/test_options.py guards the parse)."""
     from tinker_cookbook import renderers
 
-    from rlcli.compat.renderers import register
+    from rlcli.compat.renderers import register  # lazy: imports torch, the cookbook, tinker
 
     register()  # rlcli's chat_template
     source = inspect.getsource(renderers.get_renderer)
@@ -89,7 +89,7 @@ class Server(server_info.Server):
             return
         import tinker
 
-        from rlcli.recipes.loss_guard import probe_forward
+        from rlcli.recipes.loss_guard import probe_forward  # lazy: rlcli --help does not load it
 
         try:
             probe_forward(self.base_url, model, loss, config)

@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from rlcli.server.app import create_app
-    from rlcli.server.state import Settings
+    from rlcli.server.app import create_app  # lazy: imports torch, transformers, tinker
+    from rlcli.server.state import Settings  # lazy: imports torch, transformers, tinker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = Settings(
