@@ -23,13 +23,22 @@ class Server:
     def backend(self) -> str | None:
         return self.caps.get("backend")
 
-    def check_model(self, model: str) -> None:
-        served = [
+    @property
+    def served(self) -> list[str]:
+        """The base models it says it serves (empty: it does not say)."""
+        return [
             m.get("model_name")
             for m in self.caps.get("supported_models") or []
             if isinstance(m, dict) and m.get("model_name")
         ]
-        if not served or any(same_model(model, s) for s in served):
+
+    def serves(self, model: str) -> bool:
+        """Whether it serves ``model`` (or does not say, and may)."""
+        return not self.served or any(same_model(model, s) for s in self.served)
+
+    def check_model(self, model: str) -> None:
+        served = self.served
+        if self.serves(model):
             return
         raise RlcliError(
             f"--model {model}: the server at {self.base_url} serves {', '.join(served)}; "

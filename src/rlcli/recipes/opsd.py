@@ -218,14 +218,8 @@ def check_server(server, opts: OpsdOptions, plan: OpsdPlan) -> str:
 
 def check_teacher_model(server, model: str, own_url: bool) -> None:
     """The teacher's server must host its base model: one line naming what it hosts."""
-    from rlcli.client.server_info import same_model
-
-    served = [
-        m.get("model_name")
-        for m in server.caps.get("supported_models") or []
-        if isinstance(m, dict) and m.get("model_name")
-    ]
-    if not served or any(same_model(model, s) for s in served):
+    served = server.served
+    if server.serves(model):
         return
     where = "--teacher-base-url" if own_url else "the student's server (--base-url)"
     raise RlcliError(
