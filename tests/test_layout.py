@@ -142,6 +142,23 @@ def test_no_import_reaches_up_a_layer():
     assert upward == []
 
 
+def test_the_server_imports_no_client_code():
+    """Outside server/: model names, the renderer choice (its OpenAI endpoint renders like
+    ``train``), the pins, the tinker:// rules, whole-file writes; never a cookbook hook."""
+    allowed = ("rlcli.models.", "rlcli.compat.pins", "rlcli.compat.renderer_choice",
+               "rlcli.compat.renderers", "rlcli.checkpoint_format", "rlcli.files.",
+               "rlcli.errors", "rlcli.home", "rlcli.versions")  # fmt: skip
+    edges = imports(modules())
+    reached = sorted(
+        f"{module} -> {target}"
+        for module, targets in edges.items()
+        if module.startswith("rlcli.server")
+        for target in targets
+        if not target.startswith("rlcli.server") and not target.startswith(allowed)
+    )
+    assert reached == []
+
+
 def test_the_scan_sees_circles_and_upward_arrows():
     """The checks above would fail on what they look for (a scan that sees nothing passes)."""
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
