@@ -90,15 +90,15 @@ def test_final_tables_print_every_value_whole_at_80_columns(capsys, monkeypatch)
 def test_export_takes_every_run_id_runs_takes(tmp_path, monkeypatch):
     import json
 
-    from rlcli.client import export
     from rlcli.runs import catalog, runner
+    from rlcli.runs import folder as run_folder
 
     monkeypatch.setenv("RLCLI_HOME", str(tmp_path / "home"))
     inside = tmp_path / "home" / "runs" / "sl-20261201-101010"
     outside = tmp_path / "elsewhere" / "my-run"  # a --log-path folder, listed in the index
     for folder, name in ((inside, "in"), (outside, "out")):
         folder.mkdir(parents=True)
-        runner.write_record(folder, {"id": folder.name, "status": "finished"})
+        run_folder.write_record(folder, {"id": folder.name, "status": "finished"})
         row = {"name": "final", "sampler_path": f"tinker://{name}/sampler_weights/final"}
         (folder / "checkpoints.jsonl").write_text(json.dumps(row) + "\n")
     runner.register_run(outside)
@@ -107,11 +107,11 @@ def test_export_takes_every_run_id_runs_takes(tmp_path, monkeypatch):
         ("my-run", outside), ("my-r", outside), (str(outside), outside),
     ):  # fmt: skip
         assert catalog.resolve(given) == folder.resolve()
-        assert export.from_run(given, with_optimizer=False).startswith(
+        assert catalog.checkpoint_path(given, with_optimizer=False).startswith(
             f"tinker://{'in' if folder == inside else 'out'}/"
         ), given
     with pytest.raises(RlcliError, match="no run 'nope'"):
-        export.from_run("nope", with_optimizer=False)
+        catalog.checkpoint_path("nope", with_optimizer=False)
 
 
 # ---- item 8: the small ones ----------------------------------------------------------------

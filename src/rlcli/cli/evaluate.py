@@ -12,7 +12,7 @@ import sys
 import typer
 
 from rlcli.cli._output import emit, info
-from rlcli.client.evaluate import EvalOptions
+from rlcli.client.evaluate import EvalOptions, evaluate
 from rlcli.recipes import options
 
 app = typer.Typer(
@@ -138,8 +138,6 @@ def _exit_on_sigterm() -> None:
 
 def run(opts: EvalOptions) -> None:
     import logging
-
-    from rlcli.client.evaluate import evaluate
 
     # The SDK warns "Retrying request ... because of try_again" each time a long batch outlasts
     # the server's 35 s poll window: normal waiting, which the progress display already shows.

@@ -72,6 +72,7 @@ def export(
     """
     from rlcli.client import endpoint
     from rlcli.client import export as exporting
+    from rlcli.runs import catalog
 
     if bool(run) == bool(checkpoint):
         raise RlcliError("pass a RUN folder or --checkpoint tinker://... (one of them)")
@@ -79,7 +80,7 @@ def export(
         raise RlcliError("--gguf and --with-optimizer: a GGUF file has no optimizer state")
     if gguf_type != "f16" and not gguf:
         raise RlcliError("--gguf-type: only with --gguf")
-    path = checkpoint or exporting.from_run(run, with_optimizer)
+    path = checkpoint or catalog.checkpoint_path(run, with_optimizer)
     exporting.check_source(path, with_optimizer)
     url, source = endpoint.resolve_base_url(base_url)
     endpoint.check_server(url, source=source, timeout=5)

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import typer
 
 from rlcli.cli._output import info
 from rlcli.errors import RlcliError
+from rlcli.files import atomic
 
 
 def import_(
@@ -56,7 +55,8 @@ def import_(
         if output is None:
             sys.stdout.write(text)
         else:
-            _write_atomically(output, text)
+            output.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_text(output, text)
     _report(report, name)
     if report.written == 0:
         raise RlcliError(f"{name}: no usable conversations ({report.summary()})")
@@ -68,11 +68,3 @@ def _report(report, name: str) -> None:
     if len(report.errors) > 20:
         info(f"{name}: ... and {len(report.errors) - 20} more bad lines")
     info(f"{name}: {report.summary()}")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)

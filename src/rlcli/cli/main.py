@@ -25,6 +25,7 @@ from rlcli.cli import (
     tinker_passthrough,
     train,
 )
+from rlcli.errors import Cancelled, RlcliError
 
 app = typer.Typer(
     name="rlcli",
@@ -95,7 +96,6 @@ def _quiet_exit(code: int) -> None:
 
 
 def main() -> None:
-    from rlcli.errors import Cancelled, RlcliError
 
     try:
         app()

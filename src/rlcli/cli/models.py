@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from rlcli.cli._output import emit, info
+from rlcli.errors import RlcliError
 
 app = typer.Typer(
     help="Base models: the tiny offline test model, GGUF import.", no_args_is_help=True
@@ -41,7 +42,6 @@ def import_gguf(
     """Convert a GGUF model to a transformers folder (weights dequantized to float32)."""
     import importlib.util
 
-    from rlcli.errors import RlcliError
     from rlcli.models.gguf import import_gguf as convert
 
     if not gguf_file.expanduser().is_file():

@@ -9,10 +9,13 @@ from pathlib import Path
 import typer
 
 from rlcli.cli._output import emit, info
+from rlcli.recipes.options import resume_command
+from rlcli.runs.progress import Follower
 
 app = typer.Typer(help="Training runs: list, show, plot, cancel.", no_args_is_help=True)
 
 JSON = typer.Option(False, "--json", help="Print results as JSON.")
+RUN = typer.Argument(..., help="Run id (folder name, or a unique prefix) or folder.")
 
 
 @app.command(
@@ -51,7 +54,7 @@ def _plain_table(rows: list[dict]) -> str:
     "ends and exits with its outcome (0 finished, 1 failed, 4 cancelled, 130/143/129 interrupted).",
 )
 def show(
-    run: str = typer.Argument(..., help="Run id (folder name, or a unique prefix) or folder."),
+    run: str = RUN,
     follow: bool = typer.Option(
         False, "--follow", "-f", help="Follow a running run until it ends; exit with its outcome."
     ),
@@ -78,7 +81,6 @@ def _follow(run_dir: Path) -> None:
 
     from rlcli import recipes
     from rlcli.runs import catalog
-    from rlcli.runs.progress import Follower
 
     now = catalog.state(run_dir)
     try:  # each recipe names what its progress lines show
@@ -186,7 +188,7 @@ def plot(
     "the checkpoint and the resume command.",
 )
 def cancel(
-    run: str = typer.Argument(..., help="Run id (folder name, or a unique prefix) or folder."),
+    run: str = RUN,
     wait: float = typer.Option(
         120.0,
         "--wait",
@@ -198,7 +200,6 @@ def cancel(
     ),
     as_json: bool = JSON,
 ) -> None:
-    from rlcli.recipes.options import resume_command
     from rlcli.runs import catalog
 
     run_dir = catalog.resolve(run)

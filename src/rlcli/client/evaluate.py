@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from rlcli import envs
 from rlcli.errors import RlcliError
 from rlcli.recipes.options import option
 
@@ -145,8 +146,7 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
     what was resolved (server, renderer)."""
     import asyncio
 
-    from rlcli import envs
-    from rlcli.client import endpoint, sample_chat
+    from rlcli.client import endpoint, sample_chat  # lazy: imports httpx
 
     say = info or (lambda line: None)
     if opts.compare and not opts.checkpoint:
@@ -154,7 +154,7 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
     if opts.checkpoint:
         sample_chat.split_tinker_path(opts.checkpoint)  # the form, before anything else
     if opts.model:
-        from rlcli.recipes.preflight import check_model_arg
+        from rlcli.recipes.preflight import check_model_arg  # lazy: imports httpx
 
         check_model_arg(opts.model)
     env = envs.get(opts.env, gsm8k_dir=opts.gsm8k_dir, harbor=True, task_filter=opts.task_filter)
@@ -216,7 +216,7 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
 
 def _check_max_tokens(url: str, max_tokens: int) -> int | None:
     """``max_tokens`` is one the server samples; the served model's context, when it says."""
-    from rlcli.recipes.preflight import Server
+    from rlcli.client.server_info import Server  # lazy: imports httpx
 
     caps = Server(url).caps
     top = caps.get("max_sample_tokens")
@@ -231,8 +231,8 @@ def _check_max_tokens(url: str, max_tokens: int) -> int | None:
 def _renderer(model: str, requested: str | None):
     from tinker_cookbook import renderers
 
-    from rlcli.compat.renderer_choice import resolve_renderer
-    from rlcli.recipes.preflight import check_renderer
+    from rlcli.compat.renderer_choice import resolve_renderer  # lazy: rlcli --help does not load it
+    from rlcli.recipes.preflight import check_renderer  # lazy: imports httpx
 
     check_renderer(requested)
     name, why, tokenizer = resolve_renderer(model, requested)
@@ -293,8 +293,8 @@ async def _score(
     from tinker import types
     from tinker_cookbook.renderers import get_text_content
 
-    from rlcli.client import endpoint, sample_chat
-    from rlcli.compat import skyrl_client
+    from rlcli.client import endpoint, sample_chat  # lazy: imports httpx
+    from rlcli.compat import skyrl_client  # lazy: rlcli --help does not load it
 
     side = sample_chat.Target(target.base_url, target.base_model, checkpoint)
     skyrl_client.accept_unnumbered_samples()  # a SkyRL server answers samples the 0.25 way

@@ -32,50 +32,17 @@ from typing import Any
 
 import httpx
 
+from rlcli.checkpoint_format import ARCHIVE_FILES, RESTORE_FILES, STATE_FILES
 from rlcli.client import endpoint
 from rlcli.client.sample_chat import split_tinker_path
 from rlcli.errors import RlcliError
 
 MANIFEST = "rlcli_export.json"  # where it came from: restore reads the tinker:// path here
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "checkpoint.json")
-STATE_FILES = ("optimizer.pt", "run.json")
-STATE_UPLOAD = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "run.json")
 
 Say = Callable[[str], None]
 
 
 # ---- which checkpoint ----------------------------------------------------------------------
-
-
-def from_run(run: str, with_optimizer: bool) -> str:
-    """The last checkpoint a run folder recorded (``checkpoints.jsonl``): its sampler path, or
-    its state path with ``with_optimizer``. ``run`` is any id ``rlcli runs`` takes (a run's
-    name, a unique prefix of one, a run folder's path, a ``--log-path`` folder in the index)."""
-    from rlcli.home import rlcli_home
-    from rlcli.runs import catalog
-
-    folder = Path(run).expanduser()  # any folder with a checkpoints.jsonl (the cookbook's too)
-    if not folder.is_dir() or "/" not in run:
-        try:
-            folder = catalog.resolve(run)
-        except RlcliError:
-            folder = rlcli_home() / "runs" / run  # a folder there that rlcli did not start
-            if not folder.is_dir():
-                raise
-    rows = []
-    ledger = folder / "checkpoints.jsonl"
-    if ledger.is_file():
-        for line in ledger.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut by a crash; the rows before it stand
-    key = "state_path" if with_optimizer else "sampler_path"
-    paths = [r[key] for r in rows if isinstance(r, dict) and r.get(key)]
-    if not paths:
-        what = "training state" if with_optimizer else "sampler checkpoint"
-        raise RlcliError(f"{folder}: the run recorded no {what} in checkpoints.jsonl")
-    return paths[-1]
 
 
 def check_source(path: str, with_optimizer: bool) -> tuple[str, str, str]:
@@ -220,7 +187,7 @@ def export(
         tar_path = work / "checkpoint.tar"
         say(f"downloading {path} ...")
         download(link, tar_path, say)
-        wanted = ADAPTER_FILES + (STATE_FILES if with_optimizer else ())
+        wanted = ARCHIVE_FILES + (STATE_FILES if with_optimizer else ())
         adapter_dir = work / "adapter" if merge_model else staged
         adapter_dir.mkdir(exist_ok=True)
         unpack(tar_path, adapter_dir, wanted)
@@ -265,7 +232,7 @@ def export_gguf(
 
     Written beside ``out`` under a hidden name and renamed at the end; ``--force`` replaces
     only a GGUF file (its magic bytes), nothing else."""
-    from rlcli.client.gguf_export import TYPES, write_gguf
+    from rlcli.client.gguf_export import TYPES, write_gguf  # lazy: imports numpy
 
     check_source(path, False)
     if gguf_type not in TYPES:
@@ -278,7 +245,7 @@ def export_gguf(
         download(link, work / "checkpoint.tar", say)
         adapter = work / "adapter"
         adapter.mkdir()
-        unpack(work / "checkpoint.tar", adapter, ADAPTER_FILES)
+        unpack(work / "checkpoint.tar", adapter, ARCHIVE_FILES)
         config = json.loads((adapter / "adapter_config.json").read_text())
         trained_on = config.get("base_model_name_or_path")
         merge(adapter, base_model or trained_on, work / "merged", say, as_saved=False)
@@ -406,7 +373,7 @@ def restore(
             f"{folder}: exported without --with-optimizer; export the training state with "
             "--with-optimizer to continue training elsewhere"
         )
-    missing = [n for n in STATE_UPLOAD if not (folder / n).is_file()]
+    missing = [n for n in RESTORE_FILES if not (folder / n).is_file()]
     if missing:
         raise RlcliError(f"{folder}: missing {', '.join(missing)}")
     path = manifest["source"]
@@ -414,7 +381,7 @@ def restore(
     fd, tar_path = tempfile.mkstemp(suffix=".tar")
     try:
         with open(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
-            for n in STATE_UPLOAD:
+            for n in RESTORE_FILES:
                 tar.add(folder / n, arcname=n)
         size = Path(tar_path).stat().st_size
         say(f"uploading {human(size)} to {url} as {path} ...")

@@ -24,10 +24,15 @@ from typing import Any
 
 import httpx
 
+from rlcli.checkpoint_format import TinkerPathError, parse_tinker_path
 from rlcli.client import endpoint
+from rlcli.client.server_info import Server, server_reason
+from rlcli.compat.renderer_choice import resolve_renderer
+from rlcli.compat.skyrl_client import accept_unnumbered_samples
 from rlcli.errors import RlcliError
+from rlcli.models.gguf import local_model
 
-KINDS = ("weights", "sampler_weights")
+KINDS = ("weights", "sampler_weights")  # what sample, chat and export take
 
 
 @dataclass(frozen=True)
@@ -43,13 +48,16 @@ class Target:
 
 def split_tinker_path(path: str, flag: str = "--checkpoint") -> tuple[str, str, str]:
     """``tinker://RUN/KIND/NAME`` -> (run, kind, name), or one line saying the expected form."""
-    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
-    if len(parts) != 3 or parts[1] not in KINDS or not parts[0] or not parts[2]:
+    try:  # the server's own rules: what it would refuse is refused here, before asking it
+        ref = parse_tinker_path(path)
+    except TinkerPathError:
+        ref = None
+    if ref is None or ref.kind not in KINDS:
         raise RlcliError(
             f"{flag} {path}: not a checkpoint path; expected tinker://RUN/sampler_weights/NAME "
             "or tinker://RUN/weights/NAME"
         )
-    return parts[0], parts[1], parts[2]
+    return ref.run_id, ref.kind, ref.name
 
 
 def post_json(url: str, path: str, body: dict, *, timeout: float = 10.0) -> httpx.Response:
@@ -94,7 +102,6 @@ def resolve_target(
     max_tokens: int | None = None,
 ) -> Target:
     """Check the server and what to sample from; one line for each way it can be wrong."""
-    from rlcli.recipes.preflight import Server
 
     if not model and not checkpoint:
         raise RlcliError("pass --model MODEL (a base model) or --checkpoint tinker://...")
@@ -103,8 +110,6 @@ def resolve_target(
     if max_tokens is not None:
         server.check_max_tokens(max_tokens)
     if model:  # a .gguf becomes the folder the server loaded from it
-        from rlcli.models.gguf import local_model
-
         model = local_model(model, report=None)
     if not checkpoint:
         server.check_model(model)
@@ -163,8 +168,6 @@ class Talker:
     def open(self) -> Talker:
         from tinker_cookbook import renderers
 
-        from rlcli.compat.renderer_choice import resolve_renderer
-
         name, why, tokenizer = resolve_renderer(self.target.base_model, self.renderer_name)
         if tokenizer is None:
             raise RlcliError(
@@ -183,8 +186,6 @@ class Talker:
 
     def _sampling_client(self):
         import tinker
-
-        from rlcli.compat.skyrl_client import accept_unnumbered_samples
 
         accept_unnumbered_samples()  # a SkyRL server answers samples the 0.25 way
         service = tinker.ServiceClient(base_url=self.target.base_url, api_key=endpoint.api_key())
@@ -293,9 +294,7 @@ def sample_error(target: Target, error: BaseException) -> RlcliError:
     import tinker
 
     if isinstance(error, tinker.APIStatusError):
-        from rlcli.recipes.preflight import _detail
-
-        return RlcliError(f"sampling {target.label} failed: {_detail(error)}")
+        return RlcliError(f"sampling {target.label} failed: {server_reason(error)}")
     if isinstance(error, tinker.APIConnectionError):
         return RlcliError(f"sampling {target.label}: lost the server at {target.base_url}")
     return RlcliError(f"sampling {target.label} failed: {type(error).__name__}: {error}")

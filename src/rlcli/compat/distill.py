@@ -3,8 +3,6 @@ teacher clients (the hint, a teacher on another server, SkyRL's short logprob li
 
 from __future__ import annotations
 
-from tinker.proto import tinker_public_pb2 as public_pb  # noqa: F401  (generated schema)
-
 # ---- On-policy distillation (train opsd) -----------------------------------------------------
 #
 # tinker-cookbook 0.5.7 ``distillation/train_on_policy.py``: ``prepare_minibatch`` calls the

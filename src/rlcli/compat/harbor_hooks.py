@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tinker.proto import tinker_public_pb2 as public_pb  # noqa: F401  (generated schema)
+from rlcli.harbor.verifier import Verifier
 
 # ---- Harbor: the cookbook's recipes/harbor_rl with rlcli's sandbox (train harbor, eval rl) ---
 #
@@ -80,8 +80,6 @@ def install_harbor_hooks() -> None:
     verifier as the recipe's reward, and renderers whose shared tokenizer is safe across
     threads (see above). Installing twice changes nothing."""
     import threading
-
-    from rlcli.harbor.verifier import Verifier
 
     harbor_env = import_harbor_env()
     harbor_env.HarborReward = Verifier

@@ -7,8 +7,6 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from tinker.proto import tinker_public_pb2 as public_pb  # noqa: F401  (generated schema)
-
 _BEFORE_HUB_LOOKUP: list = []  # checks to make before a hub id's tokenizer is looked up
 
 
@@ -37,7 +35,7 @@ def resolve_renderer(model: str, requested: str | None):
     chat template token for token (``renderers.compare``) gives way to ``chat_template``, the
     template itself, so the model is trained on the prompts it will be served with.
     """
-    from rlcli.compat import renderers
+    from rlcli.compat import renderers  # lazy: imports torch, the cookbook, tinker
 
     renderers.register()
     if not Path(model).expanduser().exists():  # a hub id: a lookup that may be slow
@@ -80,7 +78,7 @@ def resolve_renderer(model: str, requested: str | None):
 
 def _agreement(name: str, tokenizer) -> str:
     """``; matches ...`` or ``; differs ...`` for a renderer against the tokenizer's template."""
-    from rlcli.compat import renderers
+    from rlcli.compat import renderers  # lazy: imports torch, the cookbook, tinker
 
     if tokenizer is None:
         return "; not compared with the chat template (no tokenizer here)"

@@ -29,6 +29,8 @@ from tinker_cookbook.renderers.base import (
     TrainOnWhat,
 )
 
+from rlcli.models.tokenizer import end_of_turn_id
+
 NAME = "chat_template"  # the name recipes, --renderer and config.yaml use
 
 # Conversations the check renders both ways: with and without a system message, one turn and
@@ -72,7 +74,6 @@ class TemplateRenderer(Renderer):
         super().__init__(tokenizer)
         if not getattr(tokenizer, "chat_template", None):
             raise RendererError(f"{NAME}: the tokenizer has no chat template")
-        from rlcli.models.tokenizer import end_of_turn_id
 
         stop = end_of_turn_id(tokenizer)
         if stop is None:
@@ -183,8 +184,6 @@ def compare(name: str, tokenizer) -> str | None:
     conversation through its last end-of-turn token); else where it first differs, in
     words."""
     from tinker_cookbook import renderers
-
-    from rlcli.models.tokenizer import end_of_turn_id
 
     register()
     stop = end_of_turn_id(tokenizer)

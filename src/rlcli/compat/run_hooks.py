@@ -5,8 +5,6 @@ hook and checked by ``tests/test_compat.py``."""
 
 from __future__ import annotations
 
-from tinker.proto import tinker_public_pb2 as public_pb  # noqa: F401  (generated schema)
-
 # ---- Run hooks: exact SL resume, and progress from inside the recipes ------------------------
 #
 # tinker-cookbook 0.5.7 ``supervised/train.py`` pipelines: with ``submit_ahead`` k (default 1)
@@ -131,15 +129,7 @@ def install_run_hooks(report, seed: int = 0) -> None:
 
     manager.save_final_async = save_final_async
 
-    original_rl_main = rl_train.main
-
-    async def rl_main(*args, **kwargs):
-        try:
-            return await original_rl_main(*args, **kwargs)
-        finally:
-            report("recipe finished")
-
-    rl_train.main = rl_main
+    _say_when_finished(rl_train, report)
 
     # Rollouts: ``do_sync_training`` builds one coroutine per group through the module-level
     # ``do_group_rollout_and_filter_constant_reward`` and awaits them in
@@ -186,15 +176,20 @@ def install_run_hooks(report, seed: int = 0) -> None:
     distillation_datasets.CompositeDataset.get_batch = get_batch
     train_on_policy.do_group_rollout_and_filter_constant_reward = group_rollout  # its own import
 
-    original_distillation_main = train_on_policy.main
+    _say_when_finished(train_on_policy, report)
 
-    async def distillation_main(*args, **kwargs):
+
+def _say_when_finished(module, report) -> None:
+    """``module.main`` (an async recipe loop) reports ``recipe finished`` however it ends."""
+    original = module.main
+
+    async def main(*args, **kwargs):
         try:
-            return await original_distillation_main(*args, **kwargs)
+            return await original(*args, **kwargs)
         finally:
             report("recipe finished")
 
-    train_on_policy.main = distillation_main
+    module.main = main
 
 
 def _saved_as(log_path, name: str) -> dict[str, str] | None:
@@ -318,7 +313,7 @@ def send_lora_alpha(alpha: float | None) -> None:
         return
     import tinker
 
-    from rlcli.server.schemas import LORA_ALPHA_METADATA
+    from rlcli.server.schemas import LORA_ALPHA_METADATA  # lazy: imports pydantic
 
     for name in ("create_lora_training_client", "create_lora_training_client_async"):
         original = getattr(tinker.ServiceClient, name)

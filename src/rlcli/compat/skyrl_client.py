@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 
-from tinker.proto import tinker_public_pb2 as public_pb  # noqa: F401  (generated schema)
-
 # ---- SkyRL 0.4.0 as the server (serve start --backend jax|fsdp|megatron) ---------------------
 #
 # What the pinned client meets on SkyRL's Tinker server, adapted here (docs/skyrl.md):
@@ -90,7 +88,7 @@ def unload_adapters(created: list[tuple[str, str]]) -> None:
 
     import httpx
 
-    from rlcli.client import endpoint
+    from rlcli.client import endpoint  # lazy: imports httpx
 
     while created:
         base_url, model_id = created.pop()

@@ -8,6 +8,7 @@ anything is sent.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 
 from rlcli.data.chat import content_text, read_jsonl
@@ -52,3 +53,11 @@ def to_prompt(row) -> tuple[dict | None, str | None]:
 def read_prompts(lines: Iterable[str], source: str) -> list[dict]:
     """Parse and validate prompts JSONL; raise ``DataError`` listing every bad line."""
     return read_jsonl(lines, source, to_prompt, "prompts")
+
+
+def shuffled_prompts(path: str, seed: int) -> list[dict]:
+    """The prompts in the order the run sees them (shuffled by ``--seed``)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        prompts = read_prompts(f, path)
+    random.Random(seed).shuffle(prompts)
+    return prompts

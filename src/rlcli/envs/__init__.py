@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rlcli.envs.base import Environment, Problems
 from rlcli.errors import RlcliError
+from rlcli.harbor.tasks import is_dataset_name, is_task_folder
 
 NAMES = ("gsm8k", "arithmetic", "niah")
 USAGE = "gsm8k, arithmetic, niah[:words=N,depth=D], or a .jsonl file of {question, answer}"
@@ -52,25 +53,24 @@ def get(
     if name in NAMES:
         settings = _params(params, spec, flag)
         if name == "gsm8k":
-            from rlcli.envs.gsm8k import Gsm8k
+            from rlcli.envs.gsm8k import Gsm8k  # lazy: loaded when its spec is asked for
 
             _no_params(settings, spec, flag)
             return Gsm8k(gsm8k_dir)
         if name == "arithmetic":
-            from rlcli.envs.arithmetic import Arithmetic
+            from rlcli.envs.arithmetic import Arithmetic  # lazy: loaded when its spec is asked for
 
             _no_params(settings, spec, flag)
             return Arithmetic()
-        from rlcli.envs.niah import Niah
+        from rlcli.envs.niah import Niah  # lazy: loaded when its spec is asked for
 
         return Niah.from_params(settings, spec, flag)
     usage = USAGE + (HARBOR_USAGE if harbor else "")
     path = Path(spec).expanduser()
-    from rlcli.harbor.tasks import is_dataset_name
 
     if (path.is_dir() and _harbor(path)) or is_dataset_name(spec):
         if harbor:
-            from rlcli.envs.harbor import HarborTasks
+            from rlcli.envs.harbor import HarborTasks  # lazy: loaded when its spec is asked for
 
             return HarborTasks(spec, flag, task_filter)
         raise RlcliError(
@@ -81,7 +81,7 @@ def get(
     if path.is_dir():
         raise RlcliError(f"{flag} {spec}: a folder, not an environment; use {usage}")
     if path.is_file():
-        from rlcli.envs.jsonl import JsonlFile
+        from rlcli.envs.jsonl import JsonlFile  # lazy: loaded when its spec is asked for
 
         return JsonlFile(path, flag, reward)
     if path.suffix == ".jsonl" or "/" in spec:
@@ -91,7 +91,6 @@ def get(
 
 def _harbor(folder: Path) -> bool:
     """A Harbor task folder, or a folder of them (what ``train harbor --dataset`` takes)."""
-    from rlcli.harbor.tasks import is_task_folder
 
     return is_task_folder(folder) or any(
         p.is_dir() and is_task_folder(p) for p in folder.iterdir() if not p.name.startswith(".")

@@ -22,8 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlcli.compat import harbor_hooks
 from rlcli.envs.base import Environment, Problems
 from rlcli.errors import RlcliError
+from rlcli.harbor import docker
+from rlcli.harbor.tasks import GRADER_TIMEOUT_S, MAX_TRAJECTORY_TOKENS, dataset_tasks
 
 TURN_MARK = "[turn {n}]"  # heads each assistant turn in an episode's response
 
@@ -51,11 +54,10 @@ class HarborTasks(Environment):
     multi_turn = True
 
     def __init__(self, spec: str, flag: str = "--env", task_filter: str | None = None) -> None:
-        from rlcli.recipes.harbor import load_tasks
 
         self.spec, self.flag = spec, flag
         try:
-            self.folder, self._source, self.specs = load_tasks(spec, task_filter, None)
+            self.folder, self._source, self.specs = dataset_tasks(spec, task_filter, None)
         except RlcliError as e:
             raise RlcliError(_reflag(str(e), flag, spec)) from None
 
@@ -79,7 +81,6 @@ class HarborTasks(Environment):
     def prepare(self, say: Callable[[str], None]) -> None:
         """The daemon answers and every task's image is there (built now when missing), before
         any sampling; one line when not."""
-        from rlcli.harbor import docker
 
         try:
             version = docker.check_daemon()
@@ -116,10 +117,6 @@ class HarborTasks(Environment):
 
         from tinker_cookbook.rl.rollouts import do_group_rollout
         from tinker_cookbook.tokenizer_utils import get_tokenizer
-
-        from rlcli.compat import harbor_hooks
-        from rlcli.harbor import docker
-        from rlcli.recipes.harbor import GRADER_TIMEOUT_S, MAX_TRAJECTORY_TOKENS
 
         harbor_env = harbor_hooks.import_harbor_env()
         harbor_hooks.install_harbor_hooks()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from rlcli.data.chat import read_jsonl
 from rlcli.envs.base import Environment
+from rlcli.envs.reward_fn import scorer
+from rlcli.errors import RlcliError
 
 
 def _text(number: int | float) -> str:
@@ -74,12 +76,8 @@ class JsonlFile(Environment):
             with self.path.open() as f:
                 rows = read_jsonl(f, f"{flag} {path}", parse, what)
         except OSError as e:
-            from rlcli.errors import RlcliError
-
             raise RlcliError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
         except UnicodeDecodeError:
-            from rlcli.errors import RlcliError
-
             raise RlcliError(f"{flag} {path}: not UTF-8 text") from None
         for i, row in enumerate(rows):
             row.setdefault("id", f"row-{i + 1}")
@@ -98,10 +96,9 @@ class JsonlFile(Environment):
 
     def make_env(self, row: dict, renderer):
         if self.reward:
-            from rlcli.envs.reward_env import RewardFnEnv
-            from rlcli.envs.reward_fn import scorer
+            from rlcli.envs.reward_env import RewardFnEnv  # lazy: imports the cookbook, tinker
 
             return RewardFnEnv(row, renderer, scorer(**self.reward))
-        from rlcli.envs.answer import AnswerEnv
+        from rlcli.envs.answer import AnswerEnv  # lazy: imports the cookbook
 
         return AnswerEnv(row["question"], row["answer"], renderer)

@@ -90,6 +90,6 @@ class Niah(Environment):
         }
 
     def make_env(self, row: dict, renderer):
-        from rlcli.envs.answer import AnswerEnv
+        from rlcli.envs.answer import AnswerEnv  # lazy: imports the cookbook
 
         return AnswerEnv(row["question"], row["answer"], renderer)

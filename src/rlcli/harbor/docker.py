@@ -37,6 +37,7 @@ import uuid
 from pathlib import Path
 
 from rlcli.errors import RlcliError
+from rlcli.files.lastline import last_line
 from rlcli.harbor.tasks import TaskSpec
 
 LABEL = "rlcli.harbor"
@@ -84,8 +85,7 @@ def docker(*args: str, timeout: float = 60, stdin: bytes | None = None, check: b
 
 
 def _last_line(raw: bytes) -> str:
-    lines = raw.decode(errors="replace").strip().splitlines()
-    return lines[-1][:300] if lines else "no output"
+    return last_line(raw) or "no output"
 
 
 def check_daemon() -> str:

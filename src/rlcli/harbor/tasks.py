@@ -26,11 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from rlcli.errors import RlcliError
+from rlcli.files.lastline import last_line
 
 DEFAULT_DATASET = "terminal-bench@2.0"
 DEFAULT_CPUS = 1.0
 DEFAULT_MEMORY_MB = 2048
 DEFAULT_VERIFIER_TIMEOUT_S = 60
+GRADER_TIMEOUT_S = 60  # the reward's grader; a task's [verifier] timeout_sec raises it
+MAX_TRAJECTORY_TOKENS = 32 * 1024  # the cookbook's default: past it the episode ends
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _UNIT_MB = {"": 1 / (1024 * 1024), "k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}
 
@@ -175,6 +178,15 @@ def is_dataset_name(dataset: str) -> bool:
     return "@" in dataset and "/" not in dataset and not Path(dataset).expanduser().exists()
 
 
+def dataset_tasks(
+    dataset: str, task_filter: str | None, max_tasks: int | None, download: bool = True
+) -> tuple[Path, str, list[TaskSpec]]:
+    """``--dataset`` (a folder, or name@version in the Harbor cache) -> (folder, where it came
+    from, its tasks after ``--task-filter`` and ``--max-tasks``): train harbor and eval rl."""
+    folder, source = resolve_dataset(dataset, download=download)
+    return folder, source, load_tasks(folder, task_filter, max_tasks)
+
+
 def resolve_dataset(dataset: str, download: bool = True) -> tuple[Path, str]:
     """(folder of task folders, where it came from). A ``name@version`` missing from the
     Harbor cache is downloaded with ``uvx harbor datasets download`` when ``download``."""
@@ -220,8 +232,7 @@ def _download(dataset: str, target: Path, hint: str) -> None:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RlcliError(f"--dataset {dataset}: download failed ({e}); {hint}") from None
     if done.returncode != 0:
-        lines = (done.stderr or done.stdout or "").strip().splitlines()
-        last = lines[-1][:300] if lines else f"exit code {done.returncode}"
+        last = last_line(done.stderr or done.stdout or "") or f"exit code {done.returncode}"
         raise RlcliError(
             f"--dataset {dataset}: `uvx harbor datasets download` failed ({last}); {hint}"
         )

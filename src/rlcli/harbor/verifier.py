@@ -17,14 +17,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlcli.files.lastline import last_line
+
 logger = logging.getLogger("rlcli.harbor")
 
 REWARD_DIR = "/logs/verifier"
-
-
-def _last(text: str) -> str:
-    lines = (text or "").strip().splitlines()
-    return lines[-1][:300] if lines else ""
 
 
 async def upload_tests(sandbox, tests_dir: Path) -> None:
@@ -37,7 +34,9 @@ async def upload_tests(sandbox, tests_dir: Path) -> None:
                 target, path.read_bytes(), executable=path.suffix == ".sh"
             )
             if result.exit_code != 0:
-                raise RuntimeError(f"upload of {target} failed: {_last(result.stderr)}")
+                raise RuntimeError(
+                    f"upload of {target} failed: {last_line(result.stderr or '') or ''}"
+                )
 
 
 async def read_reward(sandbox) -> float | None:
@@ -66,7 +65,7 @@ async def verify(sandbox, tests_dir: Path, timeout: int = 60, task: str = "") ->
         code = result.exit_code
         reward = await read_reward(sandbox)
         if reward is None:
-            detail = _last(result.stderr) or _last(result.stdout) or "no output"
+            detail = last_line(result.stderr or "") or last_line(result.stdout or "") or "no output"
             raise RuntimeError(
                 f"test.sh exited {code} and wrote no {REWARD_DIR}/reward.txt or reward.json "
                 f"({detail})"

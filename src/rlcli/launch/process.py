@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from rlcli.errors import RlcliError
+from rlcli.files import atomic, lastline
 
 LOADING = "loading the base model"  # what /api/v1/healthz says while the engine starts
 
@@ -81,10 +82,7 @@ def read_record(home: Path) -> ServerRecord | None:
 
 
 def _write_record(home: Path, record: ServerRecord) -> None:
-    path = state_path(home)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(record), indent=2) + "\n")
-    tmp.replace(path)  # atomic: a reader never sees half a file
+    atomic.write_text(state_path(home), json.dumps(asdict(record), indent=2) + "\n")
 
 
 def _remove_record_of(home: Path, pid: int) -> None:
@@ -235,17 +233,14 @@ def last_error_line(path: Path, offset: int = 0, fallback: bool = True) -> str |
     try:
         with path.open("rb") as f:
             f.seek(offset)
-            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
+            text = f.read().decode(errors="replace")
     except FileNotFoundError:
         return "(no log)" if fallback else None
-    lines = [ln for ln in lines if ln and not ln.startswith("====")]
-    for line in reversed(lines):
-        lowered = line.lower()
-        if "error" in lowered or "exception" in lowered or "failed" in lowered:
-            return line[:400]
-    if not fallback:
-        return None
-    return lines[-1][:400] if lines else "(the log is empty)"
+    text = "\n".join(ln for ln in text.splitlines() if not ln.strip().startswith("===="))
+    found = lastline.last_error_line(text)
+    if found is not None or not fallback:
+        return found
+    return lastline.last_line(text, 400) or "(the log is empty)"
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -366,14 +367,14 @@ def start(
     wait: float,
     foreground: bool,
     dry_run: bool,
-    say=lambda line: None,
+    say: Callable[[str], None] = print,
 ) -> dict | None:
     """``serve start`` for a SkyRL backend. Every check that needs no download comes first
     (flags, uv, Python, CUDA, a server already here, the port); then the environment (installed
     once), then the server, detached until its engine has loaded the model, or in the
     foreground. Returns the plan (dry run) or the started server's summary (None after a
-    foreground run, whose exit code is raised as ``SystemExit``). ``say`` gets the lines for
-    the user (the CLI prints them)."""
+    foreground run, whose exit code is raised as ``SystemExit``). ``say`` hears what it is
+    doing (the CLI's stderr lines)."""
     check_flags(options)
     uv, python = find_uv(), find_python()
     if dry_run:

@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+from rlcli.errors import RlcliError
 from rlcli.models.names import (
     GGUF_CONVERSION,
     gguf_folder,
@@ -30,7 +31,6 @@ def convert_gguf_cached(gguf_file: str | os.PathLike[str], report=None) -> Path:
     """The converted folder of ``gguf_file``, converting it first if needed. The conversion
     writes a temporary folder and renames it into place, so a killed conversion never leaves a
     half-written model where the next run would load it."""
-    from rlcli.errors import RlcliError
 
     source = Path(gguf_file).expanduser().resolve()
     if not source.is_file():
@@ -71,8 +71,6 @@ def import_gguf(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str]) 
 
     source = Path(gguf_file).expanduser().resolve()
     if not source.is_file():
-        from rlcli.errors import RlcliError
-
         raise RlcliError(f"{gguf_file}: no such GGUF file")
     target = Path(out).expanduser().resolve()
     tokenizer = byte_level_as_plain(

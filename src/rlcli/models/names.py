@@ -9,6 +9,8 @@ import os
 from functools import cache
 from pathlib import Path
 
+from rlcli.home import rlcli_home
+
 
 def is_local_model(name: str) -> bool:
     """A local folder holding a ``config.json`` (as ``save_pretrained`` writes it)."""
@@ -48,7 +50,6 @@ GGUF_CONVERSION = 2
 def gguf_folder(gguf_file: str | os.PathLike[str]) -> Path:
     """``$RLCLI_HOME/models/<file stem>-<hash of content and conversion>``: the same file gives
     the same folder wherever it lies, and a changed file (or converter) a new one."""
-    from rlcli.home import rlcli_home
 
     source = Path(gguf_file).expanduser().resolve()
     stat = source.stat()

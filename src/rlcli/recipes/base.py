@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from rlcli.errors import RlcliError
+from rlcli.files import atomic
 
 Report = Callable[[str], None]  # one line for the user (the CLI prints it to stderr)
 CHECKPOINTS = "checkpoints.jsonl"  # the cookbook's: a run folder with one is resumed
@@ -184,10 +183,7 @@ def keep_lines(path: Path, rows: Iterable[dict]) -> None:
     if path.exists() and path.read_text() == text:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    atomic.write_text(path, text)
 
 
 def picked(opts: dict, *names: str) -> dict:

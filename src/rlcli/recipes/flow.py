@@ -159,8 +159,8 @@ def detach(recipe: Recipe, opts, plan) -> dict:
     import time
 
     from rlcli.launch.process import start_ticks
-    from rlcli.runs import runner
-    from rlcli.runs.catalog import DETACHED_LOG
+    from rlcli.runs import folder, runner
+    from rlcli.runs.folder import DETACHED_LOG
 
     run_dir = Path(plan.run_dir).resolve()
     config = options.write_config(run_dir, opts, recipe.command)
@@ -181,9 +181,9 @@ def detach(recipe: Recipe, opts, plan) -> dict:
             start_new_session=True,
             pass_fds=(lock_fd,),
         )
-    before = runner.read_record(run_dir) or {}
+    before = folder.read_record(run_dir) or {}
     if not (before.get("pid") == child.pid and before.get("status") == "running"):
-        runner.write_record(
+        folder.write_record(
             run_dir,
             {
                 "id": run_dir.name,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlcli.errors import RlcliError
+from rlcli.harbor.tasks import GRADER_TIMEOUT_S, MAX_TRAJECTORY_TOKENS, dataset_tasks
 from rlcli.recipes import base
 from rlcli.recipes.base import Recipe
 from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
@@ -31,9 +32,6 @@ from rlcli.recipes.rl import (
     policy_summary,
     seed_sampling,
 )
-
-GRADER_TIMEOUT_S = 60  # a task's [verifier] timeout_sec raises it
-MAX_TRAJECTORY_TOKENS = 32 * 1024  # the cookbook's default: past it the episode ends
 
 
 @dataclass(kw_only=True)
@@ -79,13 +77,6 @@ def run_id(run_dir: str | Path) -> str:
     """The label value of a run's containers: a hash of its folder (same folder, same id, so a
     resume also removes what a killed attempt left)."""
     return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-
-
-def load_tasks(dataset: str, task_filter: str | None, max_tasks: int | None, download=True):
-    from rlcli.harbor import tasks
-
-    folder, source = tasks.resolve_dataset(dataset, download=download)
-    return folder, source, tasks.load_tasks(folder, task_filter, max_tasks)
 
 
 def check_modal() -> None:
@@ -142,7 +133,7 @@ class Harbor(Recipe):
         config = check_policy_flags(opts)
         if opts.sandbox == "modal":
             check_modal()
-        folder, source, found = load_tasks(opts.dataset, opts.task_filter, opts.max_tasks)
+        folder, source, found = dataset_tasks(opts.dataset, opts.task_filter, opts.max_tasks)
         renderer, renderer_source, _ = resolve_renderer(opts.model, opts.renderer)
         run_dir = self.run_dir_of(opts)
         groups = min(opts.groups_per_batch, len(found))
@@ -171,7 +162,9 @@ class Harbor(Recipe):
             from rlcli.harbor import docker
 
             version = docker.check_daemon()
-            _, _, found = load_tasks(plan.dataset, opts.task_filter, opts.max_tasks, download=False)
+            _, _, found = dataset_tasks(
+                plan.dataset, opts.task_filter, opts.max_tasks, download=False
+            )
             built = []
             for task in found:
                 if docker.needs_build(task):
@@ -209,7 +202,7 @@ class Harbor(Recipe):
             yield dataclasses.replace(opts, log_path=str(run_dir))
         finally:
             from rlcli.harbor import docker
-            from rlcli.runs.runner import SPEC
+            from rlcli.runs.folder import SPEC
 
             # Only once a recipe may have started (a refused run made no container).
             ran = (run_dir / SPEC).exists()
@@ -227,7 +220,7 @@ class Harbor(Recipe):
         HarborDatasetBuilder, HarborTask = harbor_env.HarborDatasetBuilder, harbor_env.HarborTask
 
         opts, plan = spec["options"], spec["plan"]
-        _, _, found = load_tasks(plan["dataset"], opts["task_filter"], opts["max_tasks"], False)
+        _, _, found = dataset_tasks(plan["dataset"], opts["task_filter"], opts["max_tasks"], False)
         tasks = [
             HarborTask(
                 task_name=t.name, instruction=t.instruction, task_dir=t.folder, config=t.config

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from rlcli.client import endpoint
 from rlcli.errors import RlcliError
+from rlcli.home import rlcli_home
+from rlcli.launch import process
 
 CHOICES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo", "ppo_critic")
 BACKEND_LOSSES = {
@@ -74,8 +76,6 @@ def skyrl_note(backend: str | None, loss: str, config: dict | None) -> str | Non
 
 def managed_backend(base_url: str) -> str | None:
     """The backend of the server ``rlcli serve start`` runs here, if ``base_url`` is it."""
-    from rlcli.home import rlcli_home
-    from rlcli.launch import process
 
     record, _ = process.live_record(rlcli_home())
     if record is None or record.base_url.rstrip("/") != base_url.rstrip("/"):

@@ -14,11 +14,10 @@ short logprob lists). The pedagogical version of the loop is the cookbook's
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlcli.data.prompts import read_prompts
+from rlcli.data.prompts import read_prompts, shuffled_prompts
 from rlcli.errors import RlcliError
 from rlcli.recipes import base
 from rlcli.recipes.base import Plan, Recipe
@@ -110,21 +109,13 @@ def check_teacher_model(server, model: str, own_url: bool) -> None:
     """The teacher's server must host its base model: one line naming what it hosts."""
     if server.serves(model):
         return
-    served = server.served_models()
+    served = server.served
     where = "--teacher-base-url" if own_url else "the student's server (--base-url)"
     raise RlcliError(
         f"--teacher {model}: the server at {server.base_url} ({where}) hosts only "
         f"{', '.join(served)}; start a server for the teacher (rlcli serve start --base-model "
         f"{model} --port ...) and pass its URL as --teacher-base-url"
     )
-
-
-def shuffled_prompts(path: str, seed: int) -> list[dict]:
-    """The prompts in the order the run sees them (shuffled by ``--seed``)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        prompts = read_prompts(f, path)
-    random.Random(seed).shuffle(prompts)
-    return prompts
 
 
 def teacher_elsewhere(spec: dict) -> bool:

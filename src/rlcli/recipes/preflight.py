@@ -17,6 +17,7 @@ import re
 from functools import cache
 from pathlib import Path
 
+from rlcli.client import server_info
 from rlcli.errors import RlcliError
 
 # A --model that starts like a path is a path, not a hub id.
@@ -59,7 +60,7 @@ def renderer_names() -> tuple[str, ...]:
     branches and whatever was registered (tests/test_options.py guards the parse)."""
     from tinker_cookbook import renderers
 
-    from rlcli.compat.renderers import register
+    from rlcli.compat.renderers import register  # lazy: imports torch, the cookbook, tinker
 
     register()  # rlcli's chat_template
     source = inspect.getsource(renderers.get_renderer)
@@ -78,86 +79,8 @@ def check_renderer(name: str | None) -> None:
     raise RlcliError(f"--renderer {name}: not a renderer the cookbook knows; {hint}")
 
 
-class Server:
-    """What a server says about itself (``get_server_capabilities``), read once."""
-
-    def __init__(self, base_url: str) -> None:
-        from rlcli.client import endpoint
-
-        self.base_url = base_url.rstrip("/")
-        self.caps = endpoint.get_json(self.base_url, "/api/v1/get_server_capabilities")
-
-    @property
-    def backend(self) -> str | None:
-        return self.caps.get("backend")
-
-    def served_models(self) -> list[str]:
-        return [
-            m.get("model_name")
-            for m in self.caps.get("supported_models") or []
-            if isinstance(m, dict) and m.get("model_name")
-        ]
-
-    def serves(self, model: str) -> bool:
-        """Whether the server hosts ``model`` (True when it does not say what it hosts)."""
-        served = self.served_models()
-        return not served or any(_same_model(model, s) for s in served)
-
-    def check_model(self, model: str) -> None:
-        if self.serves(model):
-            return
-        served = self.served_models()
-        raise RlcliError(
-            f"--model {model}: the server at {self.base_url} serves {', '.join(served)}; "
-            f"pass --model {served[0]} or start a server for this model"
-        )
-
-    def check_lora_rank(self, rank: int) -> None:
-        top = self.caps.get("max_lora_rank")
-        if isinstance(top, int) and rank > top:
-            raise RlcliError(
-                f"--lora-rank {rank}: the server at {self.base_url} allows at most {top} "
-                "(rlcli serve start --max-lora-rank)"
-            )
-
-    def check_lora_alpha(self, alpha: float | None) -> None:
-        """Only a server that says it takes one (rlcli's torch server) gets an alpha: the
-        Tinker API has no field for it, and another server would drop it without a word."""
-        if alpha is not None and not self.caps.get("lora_alpha"):
-            raise RlcliError(
-                f"--lora-alpha {alpha:g}: the server at {self.base_url} takes no LoRA alpha "
-                "(the Tinker API has none; rlcli's torch server does); leave it out"
-            )
-
-    def check_max_tokens(self, max_tokens: int) -> None:
-        top = self.caps.get("max_sample_tokens")
-        if isinstance(top, int) and max_tokens > top:
-            raise RlcliError(
-                f"--max-tokens {max_tokens}: the server at {self.base_url} samples at most {top}"
-            )
-
-    def check_checkpoint(self, path: str | None, flag: str, kind: str) -> None:
-        """A ``tinker://RUN/NAME`` checkpoint of ``kind`` ("training": weights/..., for a
-        training client; "sampler": sampler_weights/..., for a sampling client) that this server
-        holds (our server lists a run's checkpoints; elsewhere the recipe finds out)."""
-        if not path or self.backend != "torch":
-            return
-        from rlcli.client import endpoint
-
-        run_id, _, name = path.removeprefix("tinker://").partition("/")
-        try:
-            listed = endpoint.get_json(self.base_url, f"/api/v1/training_runs/{run_id}/checkpoints")
-        except RlcliError:
-            raise RlcliError(
-                f"{flag} {path}: the server at {self.base_url} has no training run {run_id!r}"
-            ) from None
-        kinds = {c.get("checkpoint_id"): c.get("checkpoint_type") for c in listed["checkpoints"]}
-        if name not in kinds:
-            have = ", ".join(sorted(k for k in kinds if k)) or "none"
-            raise RlcliError(f"{flag} {path}: no such checkpoint; that run has: {have}")
-        if kinds[name] != kind:
-            want = "weights/... (state)" if kind == "training" else "sampler_weights/..."
-            raise RlcliError(f"{flag} {path}: a {kinds[name]} checkpoint; pass a {want} path")
+class Server(server_info.Server):
+    """``server_info.Server`` and the one check that trains: the loss config's values."""
 
     def check_loss_config_values(self, model: str, loss: str, config: dict | None) -> None:
         """A one-datum ``forward`` with the loss and its config: the server refuses bad values
@@ -166,45 +89,18 @@ class Server:
             return
         import tinker
 
-        from rlcli.recipes.loss_guard import probe_forward
+        from rlcli.recipes.loss_guard import probe_forward  # lazy: rlcli --help does not load it
 
         try:
             probe_forward(self.base_url, model, loss, config)
         except (tinker.BadRequestError, tinker.UnprocessableEntityError) as e:
-            raise RlcliError(f"--loss-config {_json(config)}: {_detail(e)}") from None
+            raise RlcliError(
+                f"--loss-config {server_info.as_json(config)}: {server_info.server_reason(e)}"
+            ) from None
         except ValueError as e:  # SkyRL's 400 arrives when the SDK retrieves the result
             if "Error code: 400" not in str(e) and "Error code: 422" not in str(e):
                 raise
             first = " ".join(str(e).split())[:300]
             raise RlcliError(
-                f"--loss-config {_json(config)}: refused by the server: {first}"
+                f"--loss-config {server_info.as_json(config)}: refused by the server: {first}"
             ) from None
-
-
-def _same_model(given: str, served: str) -> bool:
-    if given == served:
-        return True
-    a, b = Path(given).expanduser(), Path(served).expanduser()
-    return a.exists() and b.exists() and a.resolve() == b.resolve()
-
-
-def _json(value) -> str:
-    import json
-
-    return json.dumps(value)
-
-
-def _detail(error) -> str:
-    """The server's own reason from an SDK HTTP error, on one line."""
-    body = getattr(error, "body", None)
-    if isinstance(body, dict):
-        detail = body.get("detail") or body.get("error") or body
-        if isinstance(detail, list | dict):
-            detail = _json(detail)
-        text = str(detail)
-    else:
-        text = str(error)
-    return (
-        f"refused by the server ({getattr(error, 'status_code', '?')}): "
-        + " ".join(text.split())[:300]
-    )

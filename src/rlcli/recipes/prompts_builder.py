@@ -13,6 +13,7 @@ from tinker_cookbook.rl.types import RLDatasetBuilder
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 from rlcli.compat.distill import prompts_dataset
+from rlcli.data.prompts import shuffled_prompts
 
 
 @chz.chz
@@ -25,8 +26,6 @@ class PromptsBuilder(RLDatasetBuilder):
     seed: int = 0
 
     async def __call__(self):
-        from rlcli.recipes.opsd import shuffled_prompts
-
         tokenizer = get_tokenizer(self.model_name_for_tokenizer)
         renderer = renderers.get_renderer(self.renderer_name, tokenizer=tokenizer)
         prompts = shuffled_prompts(self.dataset_path, self.seed)

@@ -13,21 +13,31 @@ cookbook and rlcli left (``rlcli_spec.json``, ``metrics.jsonl``, ``rlcli_summary
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 
 from rlcli.errors import RlcliError
-from rlcli.runs.progress import read_rows
-from rlcli.runs.runner import CANCEL, CONSOLE, INDEX, LOCK, SPEC, SUMMARY, read_record, write_record
+from rlcli.files import atomic, lastline
+from rlcli.home import rlcli_home
+from rlcli.runs import folder
+from rlcli.runs.folder import (
+    CONSOLE,
+    DETACHED_LOG,
+    LOCK,
+    METRICS_FILE,
+    RECORD,
+    SPEC,
+    SUMMARY,
+    lock_held,
+    metric_rows,
+    read_json,
+    read_record,
+)
 
 LIVE = ("starting", "running")
 EXIT_OF = {"finished": 0, "failed": 1, "cancelled": 4, "interrupted": 130}
-DETACHED_LOG = "detached.log"
 
 # What each kind of run is judged by: (metrics.jsonl key, label), the first is the headline.
 METRICS = {
@@ -45,14 +55,13 @@ METRICS = {
 
 
 def runs_root() -> Path:
-    from rlcli.home import rlcli_home
 
     return rlcli_home() / "runs"
 
 
 def _looks_like_run(path: Path) -> bool:
     return path.is_dir() and any(
-        (path / name).exists() for name in ("rlcli_run.json", SPEC, "config.yaml", LOCK)
+        (path / name).exists() for name in (RECORD, SPEC, "config.yaml", LOCK)
     )
 
 
@@ -65,11 +74,9 @@ def discover() -> list[Path]:
         for entry in root.iterdir():
             if _looks_like_run(entry):
                 found[entry.resolve()] = None
-    with contextlib.suppress(OSError):
-        for line in (root / INDEX).read_text().splitlines():
-            path = Path(line.strip())
-            if line.strip() and _looks_like_run(path):
-                found[path.resolve()] = None
+    for path in folder.read_index(root):
+        if _looks_like_run(path):
+            found[path.resolve()] = None
     return list(found)
 
 
@@ -96,36 +103,6 @@ def resolve(run: str) -> Path:
     raise RlcliError(f"run {run!r} is ambiguous: {shown}; give the folder's path")
 
 
-def lock_held(run_dir: Path) -> bool:
-    """Whether a command holds the run folder's lock (probed without waiting, released at
-    once; never creates the file)."""
-    try:
-        fd = os.open(run_dir / LOCK, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also drops the probe's lock
-    return False
-
-
-def _lock_pid(run_dir: Path) -> int | None:
-    with contextlib.suppress(OSError, ValueError):
-        return int((run_dir / LOCK).read_text().split()[0])
-    return None
-
-
-def _json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _mtime(path: Path) -> float | None:
     try:
         return path.stat().st_mtime
@@ -137,18 +114,12 @@ def _last_line(path: Path, prefix: str = "") -> str | None:
     """The last line of ``path`` starting with ``prefix`` (prefix removed), else the last
     error-looking or non-empty line."""
     try:
-        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+        text = path.read_text(errors="replace")
     except OSError:
         return None
     if prefix:
-        hit = next((ln for ln in reversed(lines) if ln.startswith(prefix)), None)
-        return hit.removeprefix(prefix) if hit else None
-    hit = next((ln for ln in reversed(lines) if ln.lower().startswith("error")), None)
-    return (hit or (lines[-1] if lines else None) or "")[:500] or None
-
-
-def metric_rows(run_dir: Path) -> list[dict]:
-    return read_rows(run_dir / "metrics.jsonl", 0)[0]
+        return lastline.last_error_line(text, prefix, limit=100_000)
+    return lastline.last_error_line(text, limit=500) or lastline.last_line(text, 500)
 
 
 def last_measured(rows: list[dict], kind: str | None) -> dict:
@@ -167,7 +138,7 @@ def state(run_dir: Path) -> dict:
     """One run's summary: what ``runs list`` shows a line of."""
     run_dir = Path(run_dir)
     record = read_record(run_dir) or {}
-    spec = _json(run_dir / SPEC)
+    spec = read_json(run_dir / SPEC)
     options, plan = spec.get("options") or {}, spec.get("plan") or {}
     rows = metric_rows(run_dir)
     held = lock_held(run_dir)
@@ -177,7 +148,7 @@ def state(run_dir: Path) -> dict:
     ended = None
     if status not in LIVE:
         ended = record.get("ended") if record.get("status") not in LIVE else None
-        ended = ended or _mtime(run_dir / "metrics.jsonl") or _mtime(run_dir / CONSOLE)
+        ended = ended or _mtime(run_dir / METRICS_FILE) or _mtime(run_dir / CONSOLE)
     last_label, last_value = None, None
     for key, label in METRICS.get(kind or "", ())[:1]:
         values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
@@ -197,7 +168,7 @@ def state(run_dir: Path) -> dict:
         "started": started,
         "ended": ended,
         "duration_s": (ended or time.time()) - started if started else None,
-        "pid": record.get("pid") or (_lock_pid(run_dir) if held else None),
+        "pid": record.get("pid") or (folder.lock_pid(run_dir) if held else None),
         "exit_code": record.get("exit_code") if status == record.get("status") else None,
         "error": error,
     }
@@ -223,7 +194,7 @@ def _status(run_dir: Path, record: dict, held: bool) -> tuple[str, str | None]:
         return "running", None
     if (run_dir / SUMMARY).exists():
         return "finished", None
-    error = _last_line(run_dir / CONSOLE, "rlcli-error: ")
+    error = _last_line(run_dir / CONSOLE, folder.ERROR_PREFIX)
     if error:
         return "failed", error
     return "interrupted", None
@@ -254,10 +225,34 @@ def show(run_dir: Path) -> dict:
         "config": config,
         "last_metrics": rows[-1] if rows else None,
         "last_measured": last_measured(rows, out["kind"]),
-        "checkpoints": read_rows(run_dir / "checkpoints.jsonl", 0)[0],
-        "summary": _json(run_dir / SUMMARY) or None,
+        "checkpoints": folder.checkpoint_rows(run_dir),
+        "summary": read_json(run_dir / SUMMARY) or None,
         "logs": logs,
     }
+
+
+# ---- export: which checkpoint -----------------------------------------------------------
+
+
+def checkpoint_path(run: str, with_optimizer: bool) -> str:
+    """The last checkpoint a run folder recorded (``checkpoints.jsonl``): its sampler path, or
+    its state path with ``with_optimizer``. ``run`` is any id ``rlcli runs`` takes (a run's
+    name, a unique prefix of one, a run folder's path, a ``--log-path`` folder in the index)."""
+    run_dir = Path(run).expanduser()  # any folder with a checkpoints.jsonl (the cookbook's too)
+    if not run_dir.is_dir() or "/" not in run:
+        try:
+            run_dir = resolve(run)
+        except RlcliError:
+            run_dir = runs_root() / run  # a folder there that rlcli did not start
+            if not run_dir.is_dir():
+                raise
+    rows = folder.checkpoint_rows(run_dir)  # the cookbook's, wherever it ran
+    key = "state_path" if with_optimizer else "sampler_path"
+    paths = [r[key] for r in rows if r.get(key)]
+    if not paths:
+        what = "training state" if with_optimizer else "sampler checkpoint"
+        raise RlcliError(f"{run_dir}: the run recorded no {what} in checkpoints.jsonl")
+    return paths[-1]
 
 
 # ---- cancel ---------------------------------------------------------------------------------
@@ -266,7 +261,7 @@ def show(run_dir: Path) -> dict:
 def cancel(run_dir: Path, wait: float = 120.0, force: bool = False, report=None) -> dict:
     """Ask a running run to stop at its next step boundary with a checkpoint (``--force``:
     SIGTERM its ``rlcli`` process, no checkpoint), then wait until it has stopped."""
-    from rlcli.launch.process import pid_alive, start_ticks
+    from rlcli.launch.process import pid_alive, start_ticks  # lazy: imports httpx
 
     run_dir = Path(run_dir)
     now = state(run_dir)
@@ -274,7 +269,7 @@ def cancel(run_dir: Path, wait: float = 120.0, force: bool = False, report=None)
         raise RlcliError(f"run {now['id']} is not running ({now['status']}); nothing to cancel")
     record = read_record(run_dir) or {}
     pid = record.get("pid") if record.get("status") in LIVE else None
-    pid = pid or _lock_pid(run_dir)
+    pid = pid or folder.lock_pid(run_dir)
     if pid is None or not pid_alive(pid):
         raise RlcliError(f"run {now['id']}: cannot tell which process runs it (see {run_dir})")
     if record.get("pid") == pid and record.get("pid_start") not in (None, start_ticks(pid)):
@@ -282,10 +277,7 @@ def cancel(run_dir: Path, wait: float = 120.0, force: bool = False, report=None)
     if force:
         os.kill(pid, signal.SIGTERM)
     else:
-        fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".rlcli_cancel.")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"pid": pid, "time": time.time()}, f)
-        os.replace(tmp, run_dir / CANCEL)
+        folder.request_cancel(run_dir, pid)
     if report:
         what = "sent SIGTERM" if force else "asked it to stop after its current step"
         report(f"cancelling {now['id']}: {what}; waiting up to {wait:g}s")
@@ -305,13 +297,13 @@ def cancel(run_dir: Path, wait: float = 120.0, force: bool = False, report=None)
     record = read_record(run_dir) or {}
     if force and record.get("status") == "starting" and record.get("pid") == pid:
         # Stopped during its checks, before the runner could record anything.
-        write_record(
+        folder.write_record(
             run_dir,
             {**record, "status": "interrupted", "ended": time.time(), "exit_code": 143,
              "error": "stopped by rlcli runs cancel --force before training started"},
         )  # fmt: skip
     after = state(run_dir)
-    checkpoints = read_rows(run_dir / "checkpoints.jsonl", 0)[0]
+    checkpoints = folder.checkpoint_rows(run_dir)
     last = checkpoints[-1] if checkpoints else None
     if not force and after["status"] != "cancelled":
         if after["status"] == "finished":
@@ -392,15 +384,11 @@ def plot(run_dirs: list[Path], out: Path | None = None) -> dict:
         ax.legend(fontsize="small")
         report.append({"metric": key, "label": labels[key], "series": drawn})
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, out)
+        with atomic.replacing(out) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
     finally:
         plt.close(fig)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
     return {"path": str(out), "panels": report}
 
 

@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from rlcli.runs.progress import STATUS
-from rlcli.runs.runner import CANCEL, CANCELLED_EXIT, PARENT_PID_ENV, SPEC, SUMMARY
+from rlcli.runs.folder import CANCEL, CONSOLE, ERROR_PREFIX, SPEC, STATUS, SUMMARY
+from rlcli.runs.runner import CANCELLED_EXIT, PARENT_PID_ENV
 
 
 def tie_to_parent() -> None:
@@ -79,8 +79,8 @@ def main(run_dir: str) -> int:
         traceback.print_exc()
         first = (str(e).strip().splitlines() or [""])[0][:500]
         print(
-            f"rlcli-error: the run failed with {type(e).__name__}: {first} "
-            f"(details: {Path(run_dir) / 'console.log'})",
+            f"{ERROR_PREFIX}the run failed with {type(e).__name__}: {first} "
+            f"(details: {Path(run_dir) / CONSOLE})",
             flush=True,
         )
         return 1

@@ -12,7 +12,6 @@ timestamp, which once gave ``1676397 tok/s eta 0s``), and only once a few second
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -20,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-STATUS = "rlcli_status.jsonl"
-CHECKPOINTS = "checkpoints.jsonl"  # the cookbook's: a row per checkpoint saved
+from rlcli.files.jsonl import read_jsonl
+from rlcli.runs.folder import CHECKPOINTS_FILE, METRICS_FILE, STATUS
+
 MIN_RATE_WINDOW_S = 2.0  # below this, a rate is noise
 
 
@@ -70,39 +70,6 @@ class Rates:
         return tokens_per_s, elapsed / steps * max(total - self.step, 0)
 
 
-def read_rows(path: Path, seen: int) -> tuple[list[dict], int]:
-    """The JSONL rows of ``path`` after its first ``seen`` lines, and the lines read so far.
-
-    Only whole lines count: one still being written (no newline yet) is left for the next read.
-    A whole line that does not parse is skipped, and said once: a run killed mid-write leaves a
-    torn line, which the resumed run's first row then completes; the rows after it stand (the
-    old reader stopped there, freezing progress and step counts)."""
-    try:
-        lines = path.read_text(errors="replace").split("\n")[:-1]
-    except FileNotFoundError:
-        return [], seen
-    rows = []
-    for number, line in enumerate(lines[seen:], start=seen + 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            _say_torn(path, number)
-            continue
-        rows.append(row if isinstance(row, dict) else {})
-    return rows, max(seen, len(lines))
-
-
-_TORN: set[tuple[str, int]] = set()
-
-
-def _say_torn(path: Path, number: int) -> None:
-    if (str(path), number) not in _TORN:
-        _TORN.add((str(path), number))
-        sys.stderr.write(f"note: {path} line {number} is torn (a write cut short); skipped\n")
-
-
 def count_lines(path: Path) -> int:
     try:
         with path.open() as f:
@@ -112,19 +79,9 @@ def count_lines(path: Path) -> int:
 
 
 def read_events(run_dir: Path, seen: int) -> tuple[list[dict], int]:
-    """The status events after the first ``seen`` lines, and the new count."""
-    try:
-        lines = (run_dir / STATUS).read_text().splitlines()
-    except FileNotFoundError:
-        return [], seen
-    events = []
-    for line in lines[seen:]:
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:  # still being written: read it next time
-            break
-        events.append(event if isinstance(event, dict) else {})
-    return events, seen + len(events)
+    """The status events after the first ``seen`` lines, and the new count (one still being
+    written is read next time)."""
+    return read_jsonl(run_dir / STATUS, seen)
 
 
 def describe_status(status: dict) -> str | None:
@@ -249,16 +206,16 @@ class Follower:
         tty: bool | None = None,
     ) -> None:
         self.run_dir, self.total, self.show, self.tokens_key = run_dir, total, show, tokens_key
-        self.metrics = run_dir / "metrics.jsonl"
+        self.metrics = run_dir / METRICS_FILE
         self.seen = count_lines(self.metrics)  # a resumed run already has rows
         self.events_seen = count_lines(run_dir / STATUS)
-        self.checkpoints_seen = count_lines(run_dir / CHECKPOINTS)
+        self.checkpoints_seen = count_lines(run_dir / CHECKPOINTS_FILE)
         self.progress = as_reporter(report, total, tty)
         self.rates = Rates()
 
     def poll(self) -> int:
         """Show what is new; returns the number of new steps."""
-        rows, self.seen = read_rows(self.metrics, self.seen)
+        rows, self.seen = read_jsonl(self.metrics, self.seen)
         now = time.monotonic()
         for row in rows:
             self.rates.add(int(row.get("step", 0)) + 1, int(row.get(self.tokens_key) or 0))
@@ -279,7 +236,9 @@ class Follower:
         events, self.events_seen = read_events(self.run_dir, self.events_seen)
         for event in _latest_counts(events):
             self.progress.phase(event)
-        saved, self.checkpoints_seen = read_rows(self.run_dir / CHECKPOINTS, self.checkpoints_seen)
+        saved, self.checkpoints_seen = read_jsonl(
+            self.run_dir / CHECKPOINTS_FILE, self.checkpoints_seen
+        )
         for row in saved:
             self.progress.checkpoint(row)
         return len(rows)

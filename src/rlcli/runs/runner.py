@@ -35,7 +35,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -43,18 +42,15 @@ from pathlib import Path
 
 import httpx
 
+from rlcli.client import endpoint
 from rlcli.errors import Cancelled, RlcliError, RunFailed
-from rlcli.runs.progress import STATUS, Follower, Reporter, StepLine, read_rows
+from rlcli.files.lastline import last_error_line
+from rlcli.runs import folder
+from rlcli.runs.folder import CANCEL, CONSOLE, LOCK, SPEC, STATUS, SUMMARY
+from rlcli.runs.progress import Follower, Reporter, StepLine
 
 __all__ = ["StepLine", "run_recipe", "lock_run_dir", "write_spec"]
 
-SPEC = "rlcli_spec.json"
-SUMMARY = "rlcli_summary.json"
-CONSOLE = "console.log"
-LOCK = "rlcli.lock"
-RECORD = "rlcli_run.json"  # the run's state: running / finished / failed / interrupted / cancelled
-CANCEL = "rlcli_cancel"  # `rlcli runs cancel` asks the recipe to stop here (holds the rlcli pid)
-INDEX = "index.txt"  # $RLCLI_HOME/runs/index.txt: run folders elsewhere (--log-path)
 CANCELLED_EXIT = 4  # the recipe stopped at a `runs cancel` request, after a checkpoint
 INHERITED_LOCK_ENV = "RLCLI_RUN_LOCK_FD"  # a detached run's lock, handed over (train --detach)
 HEALTH_EVERY_S = float(os.environ.get("RLCLI_HEALTH_EVERY_S") or 5.0)
@@ -63,14 +59,14 @@ PARENT_PID_ENV = "RLCLI_PARENT_PID"  # the child checks its parent is still this
 
 
 def default_run_dir(kind: str) -> Path:
-    from rlcli.home import rlcli_home
+    from rlcli.home import rlcli_home  # lazy: rlcli --help does not load it
 
     return rlcli_home() / "runs" / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def metric_values(run_dir: Path, *keys: str) -> dict[str, list[float]]:
     """Each key's numeric values, step by step, from the run's ``metrics.jsonl`` (read once)."""
-    rows, _ = read_rows(Path(run_dir) / "metrics.jsonl", 0)  # a torn line is skipped
+    rows = folder.metric_rows(run_dir)  # a torn line is skipped
     return {
         key: [float(r[key]) for r in rows if isinstance(r.get(key), int | float)] for key in keys
     }
@@ -79,7 +75,7 @@ def metric_values(run_dir: Path, *keys: str) -> dict[str, list[float]]:
 def write_spec(run_dir: Path, spec: dict) -> None:
     """Take the run folder's lock (see ``lock_run_dir``), then write the recipe's spec."""
     lock_run_dir(run_dir)
-    (run_dir / SPEC).write_text(json.dumps(spec, indent=2) + "\n")
+    folder.write_spec(run_dir, spec)
 
 
 _LOCKS: dict[Path, int] = {}  # run folder -> the locked file descriptor, for this process
@@ -164,7 +160,6 @@ class _HealthWatch(threading.Thread):
 
     def check(self) -> str | None:
         """None while the server is fine (or still loading its model); else what is wrong."""
-        from rlcli.client import endpoint
 
         try:
             response = httpx.get(self.url, headers=endpoint.headers(), timeout=4.0)
@@ -211,9 +206,7 @@ def run_recipe(
     record (``rlcli_run.json``)."""
     run_dir = Path(run_dir)
     lock_fd = lock_run_dir(run_dir)
-    spec = {}
-    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-        spec = json.loads((run_dir / SPEC).read_text())
+    spec = folder.read_json(run_dir / SPEC)
     if base_url is None:
         with contextlib.suppress(KeyError, TypeError, AttributeError):
             base_url = spec["options"]["base_url"]
@@ -329,29 +322,13 @@ def _outcome(run_dir, record, child, stop_reason, watch, base_url, resume_hint) 
 # ---- the run's record: what ``rlcli runs`` reads --------------------------------------------
 
 
-def write_record(run_dir: Path, record: dict) -> None:
-    """``rlcli_run.json``, written whole (temp file, then rename): never half a record."""
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".rlcli_run.")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, run_dir / RECORD)
-
-
-def read_record(run_dir: Path) -> dict | None:
-    try:
-        record = json.loads((Path(run_dir) / RECORD).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def start_record(run_dir: Path, spec: dict, total_steps: int, base_url: str | None) -> dict:
     """Record the run as running by this process, and list its folder in the run index."""
-    from rlcli.launch.process import start_ticks
+    from rlcli.launch.process import start_ticks  # lazy: rlcli --help does not load it
 
     run_dir = Path(run_dir).resolve()
     options = spec.get("options") or {}
-    before = read_record(run_dir) or {}
+    before = folder.read_record(run_dir) or {}
     record = {
         "id": run_dir.name,
         "run_dir": str(run_dir),
@@ -368,14 +345,14 @@ def start_record(run_dir: Path, spec: dict, total_steps: int, base_url: str | No
         "base_url": base_url,
         "detached_log": before.get("detached_log") if before.get("pid") == os.getpid() else None,
     }
-    write_record(run_dir, record)
+    folder.write_record(run_dir, record)
     register_run(run_dir)
     return record
 
 
 def end_record(run_dir: Path, record: dict, status: str, code: int, error: str | None) -> None:
     with contextlib.suppress(OSError):
-        write_record(
+        folder.write_record(
             run_dir,
             {**record, "status": status, "ended": time.time(), "exit_code": code, "error": error},
         )
@@ -384,34 +361,19 @@ def end_record(run_dir: Path, record: dict, status: str, code: int, error: str |
 def register_run(run_dir: Path) -> None:
     """Add a run folder outside ``$RLCLI_HOME/runs`` to ``$RLCLI_HOME/runs/index.txt`` (one
     absolute path a line; gone folders dropped on the way), so ``rlcli runs`` finds it."""
-    from rlcli.home import rlcli_home
+    from rlcli.home import rlcli_home  # lazy: rlcli --help does not load it
 
     runs = rlcli_home() / "runs"
     run_dir = Path(run_dir).resolve()
     if run_dir.parent == runs.resolve():
         return
     with contextlib.suppress(OSError):
-        runs.mkdir(parents=True, exist_ok=True)
-        index = runs / INDEX
-        # The lock is a file of its own: index.txt is replaced on each write, so a lock on it
-        # would be a lock on an old inode, and two runs starting at once could lose one.
-        with (runs / ".index.lock").open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time; released on close
-            text = index.read_text() if index.exists() else ""
-            paths = [p for p in text.splitlines() if p.strip()]
-            if str(run_dir) in paths and all(Path(p).is_dir() for p in paths):
-                return
-            kept = [p for p in dict.fromkeys([*paths, str(run_dir)]) if Path(p).is_dir()]
-            fd, tmp = tempfile.mkstemp(dir=runs, prefix=".index.")
-            with os.fdopen(fd, "w") as out:
-                out.write("".join(p + "\n" for p in kept))
-            os.replace(tmp, index)
+        folder.add_to_index(runs, run_dir)
 
 
 def last_checkpoint(run_dir: Path) -> dict | None:
     """The run's last checkpoint a resume can start from (one with a state)."""
-    rows, _ = read_rows(Path(run_dir) / "checkpoints.jsonl", 0)
-    rows = [r for r in rows if r.get("state_path")]
+    rows = [r for r in folder.checkpoint_rows(run_dir) if r.get("state_path")]
     return rows[-1] if rows else None
 
 
@@ -433,7 +395,7 @@ def drop_unsaved_steps(run_dir: Path) -> None:
     (an earlier attempt's steps past its last save), since the recipe trains them again and
     appends their rows anew. Checkpoints are named by the steps they hold (``compat``); with
     none, the run starts over and every row goes. A finished run keeps its rows."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / folder.METRICS_FILE
     if not path.exists():
         return
     last = last_checkpoint(run_dir) or {}
@@ -444,14 +406,11 @@ def drop_unsaved_steps(run_dir: Path) -> None:
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # sl: where it resumes
         per_epoch = json.loads((Path(run_dir) / SPEC).read_text())["plan"]["batches_per_epoch"]
         held = int(last["epoch"]) * int(per_epoch) + int(last["batch"])
-    rows, _ = read_rows(path, 0)
+    rows = folder.metric_rows(run_dir)
     kept = [r for r in rows if not isinstance(r.get("step"), int) or r["step"] < held]
-    if len(kept) == len(rows):
+    if len(kept) == len(rows) and path.read_bytes().endswith(b"\n"):
         return
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".metrics.")
-    with os.fdopen(fd, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(tmp, path)
+    folder.write_metric_rows(run_dir, kept)  # also drops a row a killed run left half-written
 
 
 CTRL_C_SAVE_S = float(os.environ.get("RLCLI_CTRL_C_SAVE_S") or 10.0)
@@ -462,10 +421,7 @@ def _save_before_stopping(run_dir: Path, child, follower) -> None:
     cancel`` does, and give it ``CTRL_C_SAVE_S`` seconds; a second Ctrl-C stops it at once."""
     if child is None or child.poll() is not None:
         return
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".rlcli_cancel.")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"pid": os.getpid(), "time": time.time()}, f)
-    os.replace(tmp, run_dir / CANCEL)
+    folder.request_cancel(run_dir, os.getpid())
     with contextlib.suppress(BrokenPipeError, OSError):
         follower.progress.message(
             f"Ctrl-C: saving a checkpoint at the end of this step (up to {CTRL_C_SAVE_S:g}s; "
@@ -482,7 +438,7 @@ def _save_before_stopping(run_dir: Path, child, follower) -> None:
 
 
 def _steps_done(run_dir: Path) -> int:
-    rows, _ = read_rows(Path(run_dir) / "metrics.jsonl", 0)
+    rows = folder.metric_rows(run_dir)
     return max((int(r.get("step", -1)) + 1 for r in rows), default=0)
 
 
@@ -506,10 +462,11 @@ def _ignore_stop_signals() -> None:
 
 
 def _failure(run_dir: Path, code: int) -> str:
-    lines = (run_dir / CONSOLE).read_text(errors="replace").splitlines()
-    reason = next((ln for ln in reversed(lines) if ln.startswith("rlcli-error: ")), None)
+    text = (run_dir / CONSOLE).read_text(errors="replace")
+    reason = last_error_line(text, folder.ERROR_PREFIX, limit=100_000)
     if reason:
-        return reason.removeprefix("rlcli-error: ")
+        return reason
+    lines = text.splitlines()
     tail = "\n  ".join(lines[-12:])
     log = run_dir / CONSOLE
     return f"the training run failed (exit code {code}); last lines of {log}:\n  {tail}"

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+
+from rlcli.models.names import resolve_model_name
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,26 +32,12 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from rlcli.models.names import resolve_model_name
-    from rlcli.server.app import create_app
-    from rlcli.server.state import Settings
+    from rlcli.server.app import create_app  # lazy: imports torch, transformers, tinker
+    from rlcli.server.state import Settings  # lazy: imports torch, transformers, tinker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    settings = Settings(
-        base_model=resolve_model_name(args.base_model),
-        device=args.device,
-        dtype=args.dtype,
-        grad_checkpointing=args.grad_checkpointing,
-        microbatch_tokens=args.microbatch_tokens,
-        max_lora_rank=args.max_lora_rank,
-        checkpoints_dir=args.checkpoints_dir,
-        api_key=args.api_key,
-        threads=args.threads,
-        session_timeout=args.session_timeout,
-        max_sample_tokens=args.max_sample_tokens,
-        max_body_mb=args.max_body_mb,
-        max_upload_gb=args.max_upload_gb,
-    )
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
+    settings = Settings(**{**given, "base_model": resolve_model_name(args.base_model)})
     app = create_app(settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     sys.exit(app.state.exit_code)  # non-zero when the engine died: supervisors restart us

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from fastapi.responses import FileResponse
 
-FILES = ("adapter_config.json", "adapter_model.safetensors", "checkpoint.json")  # every tar's
+from rlcli.checkpoint_format import ARCHIVE_FILES
+
 Key = tuple[str, tuple[tuple[str, str], ...]]
 
 
@@ -68,7 +69,7 @@ class Archives:
         fd, name = tempfile.mkstemp(suffix=".tar", dir=self.folder)
         try:
             with open(fd, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
-                for file in FILES:
+                for file in ARCHIVE_FILES:
                     tar.add(version / file, arcname=file)
                 for file, path in extra.items():
                     tar.add(path, arcname=file)

@@ -26,22 +26,18 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlcli import checkpoint_format
+from rlcli.checkpoint_format import KINDS, CheckpointRef, TinkerPathError
+from rlcli.files import atomic
 from rlcli.server.errors import UserError
 
 log = logging.getLogger("rlcli.server")
 
-KINDS = ("weights", "sampler_weights", "external_weights")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-# Run ids may hold ':' too: tinker>=0.38 names a training client made from a checkpoint
-# ``<session_id>:train:<n>`` and derives that id itself.
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,255}$")
 # What each kind is called in listings (``checkpoint_type``).
 TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 VERSION_PREFIX = ".v-"
@@ -58,47 +54,20 @@ class CheckpointExists(CheckpointError):
     status = 409
 
 
-@dataclass(frozen=True)
-class CheckpointRef:
-    run_id: str
-    kind: str  # "weights" | "sampler_weights"
-    name: str
-
-    @property
-    def tinker_path(self) -> str:
-        return f"tinker://{self.run_id}/{self.kind}/{self.name}"
-
-    @property
-    def checkpoint_id(self) -> str:
-        return f"{self.kind}/{self.name}"
-
-    def folder(self, root: Path) -> Path:
-        """The checkpoint's name on disk (a link); ``resolve`` gives the version behind it."""
-        return Path(root) / self.run_id / self.kind / self.name
-
-
 def check_name(name: str, field: str = "path") -> str:
-    """A checkpoint or run name that stays inside its folder: no '/', no '..', no dotfiles."""
-    pattern = _RUN_ID if field == "run_id" else _NAME
-    if not pattern.match(name or "") or ".." in name:
-        raise CheckpointError(
-            f"{field}: {name!r} is not a valid checkpoint name "
-            "(letters, digits, '.', '_', '-'; no '/' or '..')"
-        )
-    return name
+    """``checkpoint_format.check_name``, a 400 when it refuses."""
+    try:
+        return checkpoint_format.check_name(name, field)
+    except TinkerPathError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def parse_tinker_path(path: str) -> CheckpointRef:
-    """``tinker://<run_id>/<weights|sampler_weights|external_weights>/<name>`` -> ref."""
-    if not path.startswith("tinker://"):
-        raise CheckpointError(f"path: {path!r} is not a tinker:// path")
-    parts = path.removeprefix("tinker://").split("/")
-    if len(parts) != 3 or parts[1] not in KINDS:
-        raise CheckpointError(
-            f"path: {path!r} is not of the form tinker://<run_id>/weights/<name> "
-            "or tinker://<run_id>/sampler_weights/<name>"
-        )
-    return CheckpointRef(check_name(parts[0], "run_id"), parts[1], check_name(parts[2]))
+    """``checkpoint_format.parse_tinker_path``, a 400 when it refuses."""
+    try:
+        return checkpoint_format.parse_tinker_path(path)
+    except TinkerPathError as e:
+        raise CheckpointError(str(e)) from None
 
 
 # ---- reading --------------------------------------------------------------------------------
@@ -134,7 +103,7 @@ def resolve(folder: Path) -> Path | None:
 def write_run(root: Path, run_id: str, record: dict[str, Any]) -> None:
     folder = Path(root) / check_name(run_id, "run_id")
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write(folder / "run.json", json.dumps(record, indent=2) + "\n")
+    atomic.write_text(folder / "run.json", json.dumps(record, indent=2) + "\n", fsync=True)
 
 
 def read_run(root: Path, run_id: str) -> dict[str, Any] | None:
@@ -315,7 +284,7 @@ def update_meta(version: Path, **changes: Any) -> dict[str, Any]:
     """Change fields of a checkpoint's metadata in place (atomic replace of checkpoint.json)."""
     meta = read_meta(version) or {}
     meta.update(changes)
-    _atomic_write(version / "checkpoint.json", json.dumps(meta, indent=2) + "\n")
+    atomic.write_text(version / "checkpoint.json", json.dumps(meta, indent=2) + "\n", fsync=True)
     return meta
 
 
@@ -432,12 +401,3 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{time.time_ns()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -26,6 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 from rlcli.server import ops
+from rlcli.server.batcher import Batcher
+from rlcli.server.engine import Engine
+from rlcli.server.errors import UserError
 from rlcli.server.futures import FutureStore
 
 log = logging.getLogger("rlcli.server")
@@ -150,8 +153,6 @@ def engine_main(settings: dict[str, Any], requests, results) -> None:
     """
     import torch
 
-    from rlcli.server.engine import Engine
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
     torch.set_num_threads(settings.get("threads") or torch.get_num_threads())
     try:
@@ -185,7 +186,6 @@ def serve(
     after a step samples the new weights). ``join=False`` decodes each batch to the end first
     (the old behaviour, for benchmarks).
     """
-    from rlcli.server.batcher import Batcher
 
     batcher = batcher or Batcher(engine, join=join)  # a benchmark may pass one to watch
     pending: deque = deque()  # read from the queue, not yet run, in order
@@ -227,7 +227,6 @@ def _is_sample(item) -> bool:
 def _cancel(pending: deque, batcher, results) -> None:
     """Apply the cancels read so far: a request not started is answered at once, a decoding
     one leaves the batch; each answer is the one reply its future gets."""
-    from rlcli.server.errors import UserError
 
     cancels = [item[1] for item in pending if item is not None and item[0] == CANCEL]
     if not cancels:
@@ -288,7 +287,6 @@ def _next(requests, parent: int | None):
 
 
 def _reply(results, request_id: str, outcome: Any) -> None:
-    from rlcli.server.errors import UserError
 
     if isinstance(outcome, UserError):
         results.put((request_id, "user", str(outcome)))
@@ -304,8 +302,6 @@ def _run_one(engine, item, results) -> None:
     try:
         outcome = op.run(engine)
     except Exception as e:
-        from rlcli.server.errors import UserError
-
         if not isinstance(e, UserError):
             log.error("%s failed:\n%s", type(op).__name__, traceback.format_exc())
         outcome = e

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from rlcli.compat.renderer_choice import resolve_renderer
 from rlcli.server.errors import UserError
 
 log = logging.getLogger("rlcli.server")
@@ -65,8 +66,6 @@ def _compare_with_renderer(base_model: str, chat: ChatTokenizer) -> tuple[str | 
     conversation to the same tokens as the chat template (None: could not tell)."""
     try:
         from tinker_cookbook import renderers
-
-        from rlcli.compat.renderer_choice import resolve_renderer
 
         name, _, tokenizer = resolve_renderer(base_model, None)
         renderer = renderers.get_renderer(name, tokenizer or chat.tokenizer)

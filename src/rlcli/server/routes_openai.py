@@ -188,10 +188,7 @@ def _job(
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletion, state: State):
-    body.refusals()
-    info = state.engine_info()
-    ref = _resolve_model(state, body.model)
-    text = await tokenizer(state)
+    info, ref, text = await _accept(body, state)
     prompt = text.chat_prompt(body.conversation())
     top = (body.top_logprobs or 0) if body.logprobs else 0
     cap = state.settings.max_sample_tokens
@@ -205,10 +202,7 @@ async def chat_completions(body: ChatCompletion, state: State):
 
 @router.post("/completions")
 async def completions(body: Completion, state: State):
-    body.refusals()
-    info = state.engine_info()
-    ref = _resolve_model(state, body.model)
-    text = await tokenizer(state)
+    info, ref, text = await _accept(body, state)
     prompts = body.prompts()
     jobs, counted = [], 0
     for i, prompt in enumerate(prompts):
@@ -224,6 +218,13 @@ async def completions(body: Completion, state: State):
         body.stops, body.n, body.include_usage,
     )  # fmt: skip
     return await _answer(state, ref, text, plan)
+
+
+async def _accept(body: ChatCompletion | Completion, state: ServerState):
+    """The checks both routes make first: what is refused, the model; then the tokenizer."""
+    body.refusals()
+    info = state.engine_info()
+    return info, _resolve_model(state, body.model), await tokenizer(state)
 
 
 async def _answer(state: ServerState, ref: SamplerRef, text: ChatTokenizer, plan: Plan):

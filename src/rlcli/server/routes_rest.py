@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse
 
+from rlcli.checkpoint_format import ADAPTER_FILES, RESTORE_FILES
 from rlcli.server import checkpoints, generations, ops
 from rlcli.server.checkpoints import CheckpointRef
 from rlcli.server.engine_process import EngineUnavailable
@@ -28,7 +29,6 @@ router = APIRouter(prefix="/api/v1")
 public = APIRouter()  # the archive link: the CLI fetches it with plain urllib and no key
 
 ARCHIVE_TTL_S = 15 * 60
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # an external checkpoint's
 WITH_OPTIMIZER = "o-"  # archive tokens that include optimizer.pt and run.json start so;
 PLAIN = "a-"  # the others start so (a bare random token could begin with "o-");
 EXTERNAL = "x-"  # tokens of an external weights checkpoint's files (tinker>=0.38) start so
@@ -289,7 +289,6 @@ async def download_archive(token: str, state: State):
 
 # ---- rlcli restore: a training state exported elsewhere, put back under its tinker:// path ----
 
-RESTORE_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "run.json")
 RESTORE_IGNORED = ("checkpoint.json", "checkpoint_complete")  # the old server's, remade here
 # Uploads: their bodies are capped by --max-upload-gb (app.BodyLimit), all others by
 # --max-body-mb. A LoRA state (adapter + AdamW moments) of a 70B model at rank 64 is a few GB.

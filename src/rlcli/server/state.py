@@ -20,6 +20,7 @@ from typing import Annotated, Any
 from fastapi import Depends, HTTPException, Request
 
 from rlcli.home import rlcli_home
+from rlcli.models.names import resolve_model_name
 from rlcli.server import checkpoints, generations, ops
 from rlcli.server.archives import Archives
 from rlcli.server.engine_process import EngineClient, EngineUnavailable
@@ -220,7 +221,6 @@ class ServerState:
             self.sampling_sessions.popitem(last=False)
 
     def accepts_base_model(self, name: str) -> bool:
-        from rlcli.models.names import resolve_model_name
 
         return name == self.settings.base_model or resolve_model_name(name) == (
             self.settings.base_model
