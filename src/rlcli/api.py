@@ -22,7 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlcli.errors import RunFailed
+from rlcli import recipes
+from rlcli.client import evaluate as evaluating
+from rlcli.errors import RlcliError, RunFailed
+from rlcli.recipes.options import check
+from rlcli.runs.progress import describe_status
 
 
 @dataclass
@@ -79,7 +83,6 @@ class _Events:
         self.on_progress(Step(line.step, line.total, line.values, line.tokens_per_s, line.eta_s))
 
     def phase(self, status: dict) -> None:
-        from rlcli.runs.progress import describe_status
 
         text = describe_status(status)
         if text:
@@ -95,7 +98,6 @@ class _Events:
 
 
 def _recipe_of(options):
-    from rlcli import recipes
 
     for name in recipes.REGISTRY:
         recipe = recipes.get(name)
@@ -112,7 +114,6 @@ def train(options, *, on_progress: OnProgress | None = None, stdin=None):
     run's config.yaml), ``.run_dir``; with ``dry_run=True`` only the plan. ``stdin``: where
     ``dataset="-"`` reads (default: ``sys.stdin``). Raises as the module docstring says."""
     from rlcli.recipes import flow
-    from rlcli.recipes.options import check
 
     recipe = _recipe_of(options)
     opts = dataclasses.replace(options)  # the flow fills in what it finds; yours stays as is
@@ -131,8 +132,6 @@ def train(options, *, on_progress: OnProgress | None = None, stdin=None):
 def evaluate(options, *, on_progress: OnProgress | None = None) -> dict:
     """Run ``rlcli eval rl`` with ``options`` (``EvalOptions``); returns what ``--json``
     prints: the scores (and with ``compare=True`` base, checkpoint and difference)."""
-    from rlcli.client import evaluate as evaluating
-    from rlcli.recipes.options import check
 
     check(options)
     events = _Events(on_progress)
@@ -161,7 +160,6 @@ def export(
     file) to write. Returns what ``--json`` prints (the files written, the source)."""
     from rlcli.client import endpoint
     from rlcli.client import export as exporting
-    from rlcli.errors import RlcliError
 
     if gguf and with_optimizer:
         raise RlcliError("--gguf and --with-optimizer: a GGUF file has no optimizer state")

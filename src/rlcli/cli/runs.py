@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from rlcli import recipes
 from rlcli.cli._output import emit, info
 from rlcli.recipes.options import resume_command
 from rlcli.runs.progress import Follower
@@ -79,7 +80,6 @@ def _follow(run_dir: Path) -> None:
     """Step lines and phases on stderr until the run is no longer running."""
     import time
 
-    from rlcli import recipes
     from rlcli.runs import catalog
 
     now = catalog.state(run_dir)

@@ -14,6 +14,8 @@ import os
 import httpx
 
 from rlcli.errors import RlcliError
+from rlcli.home import rlcli_home
+from rlcli.launch import process
 
 DEFAULT_URL = "http://localhost:8000"
 DEFAULT_API_KEY = "tml-dummy"  # = pins.DEFAULT_API_KEY (not imported: that loads tinker)
@@ -35,8 +37,6 @@ def resolve_base_url(flag: str | None) -> tuple[str, str]:
         return flag.rstrip("/"), "--base-url"
     if os.environ.get("TINKER_BASE_URL"):
         return os.environ["TINKER_BASE_URL"].rstrip("/"), "$TINKER_BASE_URL"
-    from rlcli.home import rlcli_home  # lazy: rlcli --help does not load it
-    from rlcli.launch import process  # lazy: rlcli --help does not load it
 
     record, _ = process.live_record(rlcli_home())
     if record is not None:

@@ -17,11 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlcli.compat.renderer_choice import resolve_renderer
+from rlcli.compat.run_hooks import install_dpo_hooks
 from rlcli.data.pairs import read_pairs
 from rlcli.errors import RlcliError
 from rlcli.recipes import base
 from rlcli.recipes.base import Plan, Recipe
 from rlcli.recipes.options import TrainOptions, option, retune
+from rlcli.recipes.preflight import check_model_arg, check_renderer
+from rlcli.recipes.sl import chat_builder_config
 from rlcli.runs.runner import metric_values
 
 PAIRS_FILE = "pairs.jsonl"  # the cookbook's LabeledComparison rows, in the run folder
@@ -76,8 +80,6 @@ class DPO(Recipe):
 
     def prepare(self, opts: DPOOptions, stdin=None, dry_run=False) -> tuple[DPOPlan, list[dict]]:
         """Validate the model, renderer and pairs, count the steps; writes nothing."""
-        from rlcli.compat.renderer_choice import resolve_renderer
-        from rlcli.recipes.preflight import check_model_arg, check_renderer
 
         check_model_arg(opts.model)
         check_renderer(opts.renderer)
@@ -118,8 +120,6 @@ class DPO(Recipe):
         from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons
         from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
 
-        from rlcli.recipes.sl import chat_builder_config
-
         opts, plan = spec["options"], spec["plan"]
         builder = DPODatasetBuilderFromComparisons(
             comparison_builder=ComparisonBuilderFromJsonl(train_path=plan["dataset_path"]),
@@ -138,8 +138,6 @@ class DPO(Recipe):
 
     def run_in_child(self, spec: dict) -> dict:
         from tinker_cookbook.preference import train_dpo
-
-        from rlcli.compat.run_hooks import install_dpo_hooks
 
         config = self.cookbook_config(spec)
         install_dpo_hooks(spec["options"]["seed"], spec["plan"]["batches_per_epoch"])

@@ -15,8 +15,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rlcli.client import endpoint
+from rlcli.compat import renderer_choice
+from rlcli.errors import RlcliError
+from rlcli.launch.process import start_ticks
+from rlcli.models.gguf import local_model
 from rlcli.recipes import options, preflight
 from rlcli.recipes.base import Plan, Recipe
+from rlcli.runs import folder, runner
+from rlcli.runs.folder import DETACHED_LOG
 
 
 @dataclass
@@ -51,11 +58,9 @@ def train(
 
 
 def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
-    from rlcli.client import endpoint
 
     if opts.wandb_project or opts.wandb_name:
         require_wandb(opts)
-    from rlcli.models.gguf import local_model
 
     if opts.model:  # a .gguf becomes the folder it converts to (what the server serves)
         preflight.check_model_arg(opts.model)
@@ -71,7 +76,6 @@ def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
 
     if getattr(opts, "dataset", None) != "-":
         stdin = None
-    from rlcli.compat import renderer_choice
 
     with renderer_choice.before_hub_lookup(None if opts.dry_run else hosted):
         plan, data = recipe.prepare(opts, stdin=stdin, dry_run=opts.dry_run)
@@ -86,7 +90,6 @@ def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
     served_by = check_server(recipe, run_opts, plan, url, source, say)
     for note in recipe.notes(opts, served_by):
         say(note)
-    from rlcli.runs import runner
 
     runner.lock_run_dir(Path(plan.run_dir))  # before anything is written into the folder
     recipe.commit(opts, plan, data)  # the options as given (sl: was it stdin?)
@@ -112,7 +115,6 @@ def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
 
 def check_server(recipe: Recipe, opts, plan, url: str, source: str, say) -> str:
     """Everything the server can tell before the run folder exists; returns its backend."""
-    from rlcli.client import endpoint
 
     endpoint.check_server(url, model=opts.model, source=source)
     server = preflight.Server(url)
@@ -128,8 +130,6 @@ def require_wandb(opts) -> None:
     one is filled in for them (the recipe child inherits this environment)."""
     import importlib.util
     import os
-
-    from rlcli.errors import RlcliError
 
     if not opts.wandb_project:
         raise RlcliError("--wandb-name: name the project too (--wandb-project)")
@@ -157,10 +157,6 @@ def detach(recipe: Recipe, opts, plan) -> dict:
     import os
     import subprocess
     import time
-
-    from rlcli.launch.process import start_ticks
-    from rlcli.runs import folder, runner
-    from rlcli.runs.folder import DETACHED_LOG
 
     run_dir = Path(plan.run_dir).resolve()
     config = options.write_config(run_dir, opts, recipe.command)

@@ -19,7 +19,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlcli.compat import harbor_hooks
+from rlcli.compat.harbor_hooks import import_harbor_env
+from rlcli.compat.renderer_choice import resolve_renderer
 from rlcli.errors import RlcliError
+from rlcli.harbor import docker
+from rlcli.harbor.docker import STATS_FILE, DockerSandboxFactory
 from rlcli.harbor.tasks import GRADER_TIMEOUT_S, MAX_TRAJECTORY_TOKENS, dataset_tasks
 from rlcli.recipes import base
 from rlcli.recipes.base import Recipe
@@ -32,6 +37,7 @@ from rlcli.recipes.rl import (
     policy_summary,
     seed_sampling,
 )
+from rlcli.runs.folder import SPEC
 
 
 @dataclass(kw_only=True)
@@ -101,7 +107,6 @@ def _remove_on_sigterm(run: str) -> None:
     import sys
 
     def on_term(signum, frame):
-        from rlcli.harbor import docker
 
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         docker.remove_live_containers()
@@ -128,7 +133,6 @@ class Harbor(Recipe):
     def prepare(self, opts: HarborOptions, stdin=None, dry_run=False) -> tuple[HarborPlan, None]:
         """Check flags, model, renderer and every task folder, and count the steps; no server,
         no sandbox, no writes."""
-        from rlcli.compat.renderer_choice import resolve_renderer
 
         config = check_policy_flags(opts)
         if opts.sandbox == "modal":
@@ -159,8 +163,6 @@ class Harbor(Recipe):
         answers and every task's image is there (built now when missing)."""
         served_by = check_policy_server(server, opts, plan.loss_config, report)
         if plan.sandbox == "docker":
-            from rlcli.harbor import docker
-
             version = docker.check_daemon()
             _, _, found = dataset_tasks(
                 plan.dataset, opts.task_filter, opts.max_tasks, download=False
@@ -201,9 +203,6 @@ class Harbor(Recipe):
         try:
             yield dataclasses.replace(opts, log_path=str(run_dir))
         finally:
-            from rlcli.harbor import docker
-            from rlcli.runs.folder import SPEC
-
             # Only once a recipe may have started (a refused run made no container).
             ran = (run_dir / SPEC).exists()
             left = docker.remove_run_containers(run_id(run_dir)) if ran else 0
@@ -213,8 +212,6 @@ class Harbor(Recipe):
     # ---- in the recipe child ----------------------------------------------------------------
 
     def cookbook_config(self, spec: dict):
-        from rlcli.compat.harbor_hooks import import_harbor_env
-        from rlcli.harbor.docker import STATS_FILE, DockerSandboxFactory
 
         harbor_env = import_harbor_env()  # modal need not be installed
         HarborDatasetBuilder, HarborTask = harbor_env.HarborDatasetBuilder, harbor_env.HarborTask
@@ -249,9 +246,6 @@ class Harbor(Recipe):
         import asyncio
 
         from tinker_cookbook.rl import train
-
-        from rlcli.compat import harbor_hooks
-        from rlcli.harbor import docker
 
         harbor_hooks.install_harbor_hooks()
         config = self.cookbook_config(spec)

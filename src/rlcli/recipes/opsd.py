@@ -17,11 +17,16 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlcli.client import endpoint
+from rlcli.compat import distill
+from rlcli.compat.renderer_choice import resolve_renderer
 from rlcli.data.prompts import read_prompts, shuffled_prompts
 from rlcli.errors import RlcliError
-from rlcli.recipes import base
+from rlcli.recipes import base, loss_guard, preflight
 from rlcli.recipes.base import Plan, Recipe
 from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
+from rlcli.recipes.preflight import check_model_arg, check_renderer
+from rlcli.recipes.rl import check_policy_server, parse_loss_config, seed_sampling
 from rlcli.runs.runner import metric_values
 
 DATASET_FILE = "prompts.jsonl"  # stdin's prompts, kept in the run folder
@@ -143,7 +148,6 @@ def hinted_prompts(spec: dict) -> dict[tuple[int, ...], list[int]]:
 
 def make_teacher_seam(spec: dict):
     """The function ``distill.score_teachers_with`` applies to the recipe's teacher client."""
-    from rlcli.compat import distill
 
     opts, plan = spec["options"], spec["plan"]
     hinted = hinted_prompts(spec) if opts["teacher_hint"] is not None else None
@@ -175,10 +179,6 @@ class Opsd(Recipe):
     def prepare(self, opts: OpsdOptions, stdin=None, dry_run=False) -> tuple[OpsdPlan, list]:
         """Check flags, model, renderer and every prompt, and count the steps; no server, no
         writes."""
-        from rlcli.compat.renderer_choice import resolve_renderer
-        from rlcli.recipes import loss_guard
-        from rlcli.recipes.preflight import check_model_arg, check_renderer
-        from rlcli.recipes.rl import parse_loss_config
 
         parse_loss_config(opts.loss_config)
         loss_guard.check_backend_hint(opts.backend, opts.loss)
@@ -227,9 +227,6 @@ class Opsd(Recipe):
     def check_server(self, server, opts: OpsdOptions, plan: OpsdPlan, report) -> str:
         """The student's server: sampling length and the loss; then the teacher's server hosts
         the teacher (its base model, and the checkpoint when one is named)."""
-        from rlcli.client import endpoint
-        from rlcli.recipes import preflight
-        from rlcli.recipes.rl import check_policy_server, parse_loss_config
 
         config = parse_loss_config(opts.loss_config)
         served_by = check_policy_server(server, opts, config, report, note=False)
@@ -302,9 +299,6 @@ class Opsd(Recipe):
         import asyncio
 
         from tinker_cookbook.distillation import train_on_policy
-
-        from rlcli.compat import distill
-        from rlcli.recipes.rl import seed_sampling
 
         config = self.cookbook_config(spec)
         distill.score_teachers_with(make_teacher_seam(spec))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rlcli.client import server_info
 from rlcli.errors import RlcliError
+from rlcli.recipes.loss_guard import probe_forward
 
 # A --model that starts like a path is a path, not a hub id.
 _PATH_PREFIXES = ("/", "./", "../", "~")
@@ -88,8 +89,6 @@ class Server(server_info.Server):
         if not config:
             return
         import tinker
-
-        from rlcli.recipes.loss_guard import probe_forward  # lazy: rlcli --help does not load it
 
         try:
             probe_forward(self.base_url, model, loss, config)

@@ -15,11 +15,16 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlcli.envs.reward_fn import ERRORS_FILE
+from rlcli import envs
+from rlcli.compat.renderer_choice import resolve_renderer
+from rlcli.compat.skyrl_client import bounded_seed
+from rlcli.data import gsm8k
+from rlcli.envs.reward_fn import ERRORS_FILE, check_spec
 from rlcli.errors import RlcliError
-from rlcli.recipes import base
+from rlcli.recipes import base, loss_guard
 from rlcli.recipes.base import Plan, Recipe
 from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
+from rlcli.recipes.preflight import check_model_arg, check_renderer
 from rlcli.runs.runner import metric_values
 
 GSM8K_TRAIN_ROWS = 7473  # the hub's openai/gsm8k "main" train split
@@ -97,8 +102,6 @@ def check_policy_flags(opts: PolicyOptions) -> dict | None:
     """The checks every RL-style command (rl, harbor) makes before it plans: the loss and its
     config, the backend hint, the checkpoint paths, the model folder and the renderer name.
     Returns the parsed loss config."""
-    from rlcli.recipes import loss_guard
-    from rlcli.recipes.preflight import check_model_arg, check_renderer
 
     config = parse_loss_config(opts.loss_config)
     loss_guard.check_backend_hint(opts.backend, opts.loss)
@@ -136,8 +139,6 @@ def seed_sampling(seed: int) -> None:
 
     import tinker
 
-    from rlcli.compat.skyrl_client import bounded_seed
-
     original = tinker.SamplingClient.sample_async
     seen: Counter = Counter()
 
@@ -169,7 +170,6 @@ def check_policy_server(server, opts: PolicyOptions, loss_config, report, note=T
     """The server checks of an RL-style command before any rollout: sampling length, the
     checkpoints named, the loss guard, then the loss config's keys and values. Returns the
     backend; says the SkyRL note where it applies (``note``)."""
-    from rlcli.recipes import loss_guard
 
     server.check_max_tokens(opts.max_tokens)
     server.check_checkpoint(opts.init_checkpoint, "--init-checkpoint", "training")
@@ -223,14 +223,10 @@ class RL(Recipe):
 
     def prepare(self, opts: RLOptions, stdin=None, dry_run=False) -> tuple[RLPlan, None]:
         """Check flags, model, renderer and data, and count the steps; no server, no writes."""
-        from rlcli import envs
-        from rlcli.compat.renderer_choice import resolve_renderer
 
         config = check_policy_flags(opts)
         reward = None
         if opts.reward:
-            from rlcli.envs.reward_fn import check_spec
-
             path, name = check_spec(opts.reward)
             reward = {"path": str(path), "name": name, "timeout": opts.reward_timeout}
         env = envs.get(
@@ -275,8 +271,6 @@ class RL(Recipe):
     def check_server(self, server, opts: RLOptions, plan: RLPlan, report) -> str:
         """Before any rollout: the hub's GSM8K answers, then the RL-style checks."""
         if plan.data_source.startswith("hub:"):  # fail now, not inside the recipe, if offline
-            from rlcli.data import gsm8k
-
             gsm8k.load_rows(None, "test")
         return check_policy_server(server, opts, plan.loss_config, report)
 

@@ -13,11 +13,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlcli.compat.renderer_choice import resolve_renderer
+from rlcli.compat.run_hooks import install_lr_warmup
+from rlcli.data import tables
 from rlcli.data.chat import read_conversations
 from rlcli.errors import RlcliError
 from rlcli.recipes import base
 from rlcli.recipes.base import Plan, Recipe
 from rlcli.recipes.options import TrainOptions, option, retune
+from rlcli.recipes.preflight import check_model_arg, check_renderer
 from rlcli.runs.runner import metric_values
 
 DATASET_FILE = "dataset.jsonl"
@@ -72,7 +76,6 @@ class SLPlan(Plan):
 def load_dataset(opts: SLOptions, run_dir: Path, stdin) -> tuple[list[dict], Path]:
     """The validated conversations and the file the recipe will read (``base.read_input``:
     stdin and tables are kept in the run folder by ``commit``)."""
-    from rlcli.data import tables
 
     kept = run_dir / DATASET_FILE
     if tables.is_table(opts.dataset):  # read through `datasets`, kept like stdin
@@ -91,8 +94,6 @@ class SL(Recipe):
 
     def prepare(self, opts: SLOptions, stdin=None, dry_run=False) -> tuple[SLPlan, list[dict]]:
         """Validate the model, renderer and data, count what will be trained; writes nothing."""
-        from rlcli.compat.renderer_choice import resolve_renderer
-        from rlcli.recipes.preflight import check_model_arg, check_renderer
 
         check_model_arg(opts.model)
         check_renderer(opts.renderer)
@@ -184,8 +185,6 @@ class SL(Recipe):
         import tinker
         from tinker_cookbook.supervised import train
         from tinker_cookbook.supervised.nll_evaluator import NLLEvaluator
-
-        from rlcli.compat.run_hooks import install_lr_warmup
 
         config = self.cookbook_config(spec)
         install_lr_warmup(spec["options"]["warmup_steps"])

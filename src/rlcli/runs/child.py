@@ -19,13 +19,16 @@ import sys
 import time
 from pathlib import Path
 
+from rlcli import recipes
+from rlcli.compat import run_hooks, skyrl_client
+from rlcli.compat.run_hooks import RunCancelled
+from rlcli.launch.process import die_with_parent
 from rlcli.runs.folder import CANCEL, CONSOLE, ERROR_PREFIX, SPEC, STATUS, SUMMARY
 from rlcli.runs.runner import CANCELLED_EXIT, PARENT_PID_ENV
 
 
 def tie_to_parent() -> None:
     """Die with the parent ``rlcli`` (SIGKILL from the kernel); exit now if it is gone."""
-    from rlcli.launch.process import die_with_parent
 
     expected = os.environ.get(PARENT_PID_ENV)
     die_with_parent(signal.SIGKILL)
@@ -68,8 +71,6 @@ def main(run_dir: str) -> int:
     try:
         return _run(Path(run_dir))
     except Exception as e:  # the full traceback stays in console.log; the user gets one line
-        from rlcli.compat.run_hooks import RunCancelled
-
         if isinstance(e, RunCancelled):
             StatusFile(Path(run_dir))("cancelled", step=e.step)
             print(f"rlcli-cancelled: {json.dumps(e.paths)}", flush=True)
@@ -90,7 +91,6 @@ def _run(folder: Path) -> int:
     status = StatusFile(folder)
     status("starting: loading the model's tokenizer and the data")
     spec = json.loads((folder / SPEC).read_text())
-    from rlcli.compat import run_hooks, skyrl_client
 
     after = "writing the summary"
     if spec["recipe"] == "sl" and (spec.get("plan") or {}).get("held_out"):
@@ -113,7 +113,6 @@ def _run(folder: Path) -> int:
     skyrl_client.release_adapters_at_exit()  # SkyRL holds a LoRA slot per client until its timeout
     skyrl_client.accept_unnumbered_samples()  # SkyRL answers samples the 0.25 way
     run_hooks.send_lora_alpha((spec.get("options") or {}).get("lora_alpha"))
-    from rlcli import recipes
 
     try:
         recipe = recipes.get(spec["recipe"])

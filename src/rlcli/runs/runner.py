@@ -45,6 +45,8 @@ import httpx
 from rlcli.client import endpoint
 from rlcli.errors import Cancelled, RlcliError, RunFailed
 from rlcli.files.lastline import last_error_line
+from rlcli.home import rlcli_home
+from rlcli.launch.process import start_ticks
 from rlcli.runs import folder
 from rlcli.runs.folder import CANCEL, CONSOLE, LOCK, SPEC, STATUS, SUMMARY
 from rlcli.runs.progress import Follower, Reporter, StepLine
@@ -59,7 +61,6 @@ PARENT_PID_ENV = "RLCLI_PARENT_PID"  # the child checks its parent is still this
 
 
 def default_run_dir(kind: str) -> Path:
-    from rlcli.home import rlcli_home  # lazy: rlcli --help does not load it
 
     return rlcli_home() / "runs" / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -324,7 +325,6 @@ def _outcome(run_dir, record, child, stop_reason, watch, base_url, resume_hint) 
 
 def start_record(run_dir: Path, spec: dict, total_steps: int, base_url: str | None) -> dict:
     """Record the run as running by this process, and list its folder in the run index."""
-    from rlcli.launch.process import start_ticks  # lazy: rlcli --help does not load it
 
     run_dir = Path(run_dir).resolve()
     options = spec.get("options") or {}
@@ -361,7 +361,6 @@ def end_record(run_dir: Path, record: dict, status: str, code: int, error: str |
 def register_run(run_dir: Path) -> None:
     """Add a run folder outside ``$RLCLI_HOME/runs`` to ``$RLCLI_HOME/runs/index.txt`` (one
     absolute path a line; gone folders dropped on the way), so ``rlcli runs`` finds it."""
-    from rlcli.home import rlcli_home  # lazy: rlcli --help does not load it
 
     runs = rlcli_home() / "runs"
     run_dir = Path(run_dir).resolve()
