@@ -12,6 +12,7 @@ timestamp, which once gave ``1676397 tok/s eta 0s``), and only once a few second
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -38,8 +39,8 @@ class StepLine:
         parts += [f"{k} {v:.4g}" for k, v in self.values.items()]
         if self.tokens_per_s:
             parts.append(f"{self.tokens_per_s:.0f} tok/s")
-        if self.eta_s is not None:
-            parts.append(f"eta {self.eta_s:.0f}s")
+        if self.eta_s is not None:  # rounded up: "eta 0s" only when nothing is left
+            parts.append(f"eta {math.ceil(self.eta_s)}s")
         return "  ".join(parts)
 
 
