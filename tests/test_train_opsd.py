@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_rlcli
+from conftest import cli, run_rlcli
 from rlcli.data.chat import DataError
 from rlcli.data.prompts import read_prompts
 from rlcli.recipes.opsd import OpsdOptions
@@ -83,20 +83,20 @@ def test_bad_lines_are_listed_by_number_before_any_server_work(tmp_path):
         read_prompts(bad.open(), str(bad))
     assert [err.line for err in e.value.errors] == [2, 3, 4, 5, 6]
     log = tmp_path / "run"
-    result = run_rlcli("train", "opsd", "--dataset", str(bad), "--model", "./nowhere-model-x",
-                       "--base-url", DEAD_URL, "--log-path", str(log))  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(bad), "--model", "./nowhere-model-x",
+                 "--base-url", DEAD_URL, "--log-path", str(log))  # fmt: skip
     assert result.returncode == 1
     assert "--model ./nowhere-model-x: no such folder" in result.stderr  # flags first
-    result = run_rlcli("train", "opsd", "--dataset", str(bad), "--model", str(tmp_path),
-                       "--base-url", DEAD_URL)  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(bad), "--model", str(tmp_path),
+                 "--base-url", DEAD_URL)  # fmt: skip
     assert "no config.json" in result.stderr
 
 
 def test_dry_run_needs_no_server_and_shows_the_issue_defaults(tmp_path, tiny_model):
     data = write_jsonl(tmp_path / "p.jsonl", PROMPTS * 10 + MESSAGES)
-    result = run_rlcli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
-                       "--base-url", DEAD_URL, "--dry-run", "--json",
-                       "--teacher-hint", "Answer in French.")  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
+                 "--base-url", DEAD_URL, "--dry-run", "--json",
+                 "--teacher-hint", "Answer in French.")  # fmt: skip
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert (plan["prompts"], plan["prompts_with_context"], plan["steps"]) == (42, 1, 2)
@@ -110,9 +110,9 @@ def test_dry_run_needs_no_server_and_shows_the_issue_defaults(tmp_path, tiny_mod
     assert not Path(o["log_path"]).exists()
     # --steps and --learning-rate are the issue's spellings; a checkpoint teacher is of --model
     checkpoint = "tinker://run/sampler_weights/x"
-    result = run_rlcli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
-                       "--base-url", DEAD_URL, "--dry-run", "--json", "--steps", "1",
-                       "--learning-rate", "3e-4", "--teacher", checkpoint)  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
+                 "--base-url", DEAD_URL, "--dry-run", "--json", "--steps", "1",
+                 "--learning-rate", "3e-4", "--teacher", checkpoint)  # fmt: skip
     plan = json.loads(result.stdout)
     assert plan["steps"] == 1 and plan["options"]["lr"] == 3e-4
     assert plan["teacher_checkpoint"] == checkpoint
@@ -121,8 +121,8 @@ def test_dry_run_needs_no_server_and_shows_the_issue_defaults(tmp_path, tiny_mod
 
 def test_bad_dataset_lines_fail_the_command_with_line_numbers(tmp_path, tiny_model):
     bad = write_jsonl(tmp_path / "bad.jsonl", [PROMPTS[0], "{", {"messages": []}])
-    result = run_rlcli("train", "opsd", "--dataset", str(bad), "--model", str(tiny_model),
-                       "--base-url", DEAD_URL, "--log-path", str(tmp_path / "run"))  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(bad), "--model", str(tiny_model),
+                 "--base-url", DEAD_URL, "--log-path", str(tmp_path / "run"))  # fmt: skip
     assert result.returncode == 1
     assert "2 of 3 lines are not usable prompts; nothing was sent" in result.stderr
     assert "line 2: not JSON" in result.stderr and "line 3:" in result.stderr
@@ -141,8 +141,8 @@ def test_bad_dataset_lines_fail_the_command_with_line_numbers(tmp_path, tiny_mod
 )
 def test_bad_flags_are_one_line(tmp_path, tiny_model, extra, message):
     data = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
-    result = run_rlcli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
-                       "--base-url", DEAD_URL, "--dry-run", *extra)  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
+                 "--base-url", DEAD_URL, "--dry-run", *extra)  # fmt: skip
     assert result.returncode == 1
     assert message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -153,8 +153,8 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path, tiny_model):
 
     other = build_tiny_model(tmp_path / "other", vocab_size=800)
     data = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
-    result = run_rlcli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
-                       "--teacher", str(other), "--base-url", DEAD_URL, "--dry-run")  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
+                 "--teacher", str(other), "--base-url", DEAD_URL, "--dry-run")  # fmt: skip
     assert result.returncode == 1
     assert f"--teacher {other}: its tokenizer differs from --model's" in result.stderr
 
@@ -323,8 +323,8 @@ def test_a_teacher_on_a_second_server_and_a_base_model_a_server_lacks(
     other_model = Path(shutil.copytree(tiny_model, tmp_path / "teacher-model"))
     data = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2])
     # the student's server hosts only the student's model: one line naming both and the flag
-    lacking = run_rlcli(*small(server.base_url, tiny_model, data, tmp_path / "a",
-                               "--teacher", str(other_model)))  # fmt: skip
+    lacking = cli(*small(server.base_url, tiny_model, data, tmp_path / "a",
+                         "--teacher", str(other_model)))  # fmt: skip
     assert lacking.returncode == 1
     line = lacking.stderr.strip().splitlines()[-1]
     assert f"--teacher {other_model}: the server at {server.base_url}" in line
@@ -334,8 +334,8 @@ def test_a_teacher_on_a_second_server_and_a_base_model_a_server_lacks(
     teacher_server = start_server(home, other_model)
     try:
         # the default teacher (--model) asked of a server that hosts another model
-        wrong = run_rlcli(*small(server.base_url, tiny_model, data, tmp_path / "b",
-                                 "--teacher-base-url", teacher_server.base_url))  # fmt: skip
+        wrong = cli(*small(server.base_url, tiny_model, data, tmp_path / "b",
+                           "--teacher-base-url", teacher_server.base_url))  # fmt: skip
         assert wrong.returncode == 1
         assert f"the server at {teacher_server.base_url} (--teacher-base-url) hosts only" in (
             wrong.stderr

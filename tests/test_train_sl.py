@@ -4,7 +4,6 @@ supervised recipe: the import pipe, learning, checkpoints, resume, held-out loss
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import signal
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI, run_rlcli
+from conftest import RLCLI, cli, run_rlcli
 
 EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
 DEAD_URL = "http://127.0.0.1:9"
@@ -24,7 +23,8 @@ def rlcli_argv(*args) -> list[str]:
     return [*RLCLI, *args]
 
 
-run = run_rlcli
+run = run_rlcli  # a process of its own: whatever trains
+quick = cli  # in this process: refusals, plans and `runs` (conftest.cli)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, server, tiny
 
 
 def test_dry_run_plans_without_a_server(tmp_path, tiny_model, chat_file):
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", "-", "--model", str(tiny_model), "--base-url", DEAD_URL,
         "--dry-run", "--json", "--test-size", "0.25", "--batch-size", "8", "--seed", "5",
         "--log-path", str(tmp_path / "run"),
@@ -157,7 +157,7 @@ def test_bad_dataset_lines_are_reported_and_nothing_is_sent(tmp_path, tiny_model
         json.dumps(good) + "\n{broken\n" + json.dumps({"messages": []}) + "\n"
         + json.dumps({"messages": [{"role": "user", "content": "only a question"}]}) + "\n"
     )  # fmt: skip
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(data), "--model", str(tiny_model),
         "--base-url", DEAD_URL, "--log-path", str(tmp_path / "run"),
     )  # fmt: skip
@@ -170,7 +170,7 @@ def test_bad_dataset_lines_are_reported_and_nothing_is_sent(tmp_path, tiny_model
 
 
 def test_dead_server_is_one_clear_line(tmp_path, tiny_model, chat_file):
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
         "--base-url", DEAD_URL, "--log-path", str(tmp_path / "run"),
     )  # fmt: skip
@@ -182,42 +182,25 @@ def test_dead_server_is_one_clear_line(tmp_path, tiny_model, chat_file):
 
 def test_bad_flags_are_refused(tmp_path, tiny_model, chat_file):
     base = ("train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model), "--dry-run")
-    result = run(*base, "--test-size", "1.5")
+    result = quick(*base, "--test-size", "1.5")
     assert result.returncode == 1 and "--test-size 1.5: must be in [0, 1)" in result.stderr
-    result = run(*base, "--batch-size", "500")
+    result = quick(*base, "--batch-size", "500")
     assert result.returncode == 1 and "--batch-size 500: larger than the 128" in result.stderr
-    result = run("train", "sl", "--dataset", str(tmp_path / "nope"), "--model", "x/y")
+    result = quick("train", "sl", "--dataset", str(tmp_path / "nope"), "--model", "x/y")
     assert result.returncode == 1 and "no such file" in result.stderr
-    result = run(*base, "--frobnicate")
+    result = quick(*base, "--frobnicate")
     assert result.returncode == 2 and "No such option" in result.stderr
 
 
-def test_a_wrong_api_key_is_one_line_before_the_run_folder(tmp_path, tiny_model, chat_file):
-    from conftest import start_server
-    from rlcli.backends import process
-
-    record = start_server(tmp_path / "srv", tiny_model, api_key="tml-secret")
-    try:
-        result = subprocess.run(
-            rlcli_argv(
-                "train",
-                "sl",
-                "--dataset",
-                str(chat_file),
-                "--model",
-                str(tiny_model),
-                "--base-url",
-                record.base_url,
-                "--log-path",
-                str(tmp_path / "run"),
-            ),  # fmt: skip
-            capture_output=True,
-            text=True,
-            env={**os.environ, "TINKER_API_KEY": "tml-wrong"},
-            timeout=300,
-        )
-    finally:
-        process.stop(tmp_path / "srv")
+def test_a_wrong_api_key_is_one_line_before_the_run_folder(
+    tmp_path, keyed_server, tiny_model, chat_file
+):
+    _, record = keyed_server
+    result = quick(
+        "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+        "--base-url", record.base_url, "--log-path", str(tmp_path / "run"),
+        env={"TINKER_API_KEY": "tml-wrong"},
+    )  # fmt: skip
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: the server at {record.base_url} refused the API key")
@@ -255,17 +238,17 @@ def test_config_yaml_reproduces_the_run(tmp_path, server, tiny_model, chat_file)
 
 def test_missing_model_folder_and_bad_renderer_stop_before_the_run_folder(tmp_path, chat_file):
     base = ("train", "sl", "--dataset", str(chat_file), "--base-url", DEAD_URL)
-    result = run(*base, "--model", str(tmp_path / "no-model"), "--log-path", str(tmp_path / "r"))
+    result = quick(*base, "--model", str(tmp_path / "no-model"), "--log-path", str(tmp_path / "r"))
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip() == f"error: --model {tmp_path / 'no-model'}: no such folder"
-    result = run(*base, "--model", "./tiny", "--renderer", "nope", "--log-path", str(tmp_path))
+    result = quick(*base, "--model", "./tiny", "--renderer", "nope", "--log-path", str(tmp_path))
     assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
     assert "--model ./tiny: no such folder" in result.stderr
     assert not (tmp_path / "r").exists()
 
 
 def test_bad_renderer_is_one_line(tmp_path, tiny_model, chat_file):
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
         "--base-url", DEAD_URL, "--renderer", "nope", "--log-path", str(tmp_path / "r"),
     )  # fmt: skip
@@ -283,7 +266,7 @@ def test_server_refusals_come_before_the_run_folder(tmp_path, server, tiny_model
     other.mkdir()
     (other / "config.json").write_text((tiny_model / "config.json").read_text())
     base = ("train", "sl", "--dataset", str(chat_file), "--base-url", server.base_url)
-    result = run(*base, "--model", str(other), "--log-path", str(tmp_path / "r"))
+    result = quick(*base, "--model", str(other), "--log-path", str(tmp_path / "r"))
     assert result.returncode == 1, result.stderr
     assert f"--model {other}: the server at {server.base_url} serves {tiny_model}" in (
         result.stderr
@@ -292,7 +275,7 @@ def test_server_refusals_come_before_the_run_folder(tmp_path, server, tiny_model
     caps = httpx.get(f"{server.base_url}/api/v1/get_server_capabilities").json()
     too_big = str(caps["max_lora_rank"] + 1)  # our server publishes it
     model = ("--model", str(tiny_model))
-    result = run(*base, *model, "--lora-rank", too_big, "--log-path", str(other))
+    result = quick(*base, *model, "--lora-rank", too_big, "--log-path", str(other))
     assert result.returncode == 1
     assert f"--lora-rank {too_big}: the server at {server.base_url} allows at most" in (
         result.stderr
@@ -316,13 +299,13 @@ def test_wandb_offline_run_keeps_metrics_jsonl(tmp_path, server, tiny_model, cha
 
 
 def test_wandb_flag_without_a_key_online_is_one_line(tmp_path, tiny_model, chat_file):
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
         "--wandb-name", "lonely", "--dry-run",
     )  # fmt: skip
     assert result.returncode == 1
     assert result.stderr.strip() == "error: --wandb-name: name the project too (--wandb-project)"
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
         "--base-url", DEAD_URL, "--wandb-project", "p", "--log-path", str(tmp_path / "r"),
         env={"WANDB_MODE": "", "WANDB_API_KEY": ""},
@@ -387,9 +370,9 @@ def test_schedule_warmup_eval_every_and_train_on_reach_a_parquet_run(
         for r in rows
     ]
     assert f"dataset: {kept}" in (run_dir / "config.yaml").read_text()
-    shown = run("runs", "show", str(run_dir))
+    shown = quick("runs", "show", str(run_dir))
     assert "last measured" in shown.stdout and "held-out loss (step 2)" in shown.stdout
-    plotted = json.loads(run("runs", "plot", str(run_dir), "--json").stdout)
+    plotted = json.loads(quick("runs", "plot", str(run_dir), "--json").stdout)
     assert "held-out loss" in [p["label"] for p in plotted["panels"]]
 
 
@@ -423,16 +406,16 @@ def test_tables_and_their_refusals(tmp_path, tiny_model, chat_file):
     saved = tmp_path / "saved"
     datasets.Dataset.from_list(rows).save_to_disk(str(saved))  # an arrow folder
     base = ("train", "sl", "--model", str(tiny_model), "--base-url", DEAD_URL, "--dry-run")
-    result = run(*base, "--dataset", str(saved), "--json", "--batch-size", "4")
+    result = quick(*base, "--dataset", str(saved), "--json", "--batch-size", "4")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["examples"] == 16
     bad = tmp_path / "bad.parquet"
     datasets.Dataset.from_list([{"prompt": "hi", "completion": "hello"}]).to_parquet(str(bad))
-    result = run(*base, "--dataset", str(bad))
+    result = quick(*base, "--dataset", str(bad))
     assert result.returncode == 1 and 'line 1: no "messages" field' in result.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = run(*base, "--dataset", str(empty))
+    result = quick(*base, "--dataset", str(empty))
     assert result.returncode == 1 and "a folder with no parquet or arrow files" in result.stderr
     offline = {"HF_ENDPOINT": DEAD_URL, "HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": ""}
     started = time.monotonic()
@@ -442,11 +425,11 @@ def test_tables_and_their_refusals(tmp_path, tiny_model, chat_file):
         result.stderr
     )
     assert time.monotonic() - started < 30
-    result = run(*base, "--dataset", str(chat_file), "--eval-every", "2")
+    result = quick(*base, "--dataset", str(chat_file), "--eval-every", "2")
     assert result.returncode == 1 and "--eval-every 2: hold some conversations out" in (
         result.stderr
     )
-    result = run(*base, "--dataset", str(chat_file), "--warmup-steps", "16", "--batch-size", "8")
+    result = quick(*base, "--dataset", str(chat_file), "--warmup-steps", "16", "--batch-size", "8")
     assert result.returncode == 1 and "--warmup-steps 16: the run has 16 steps" in result.stderr
 
 
