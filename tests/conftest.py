@@ -111,6 +111,7 @@ def cli(*args, stdin: str | None = None, env: dict | None = None) -> subprocess.
     from rlcli.cli.main import main
 
     argv, code = sys.argv, 0
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     with CliRunner().isolation(input=stdin, env=env) as (out, err, _):
         sys.argv = ["rlcli", *map(str, args)]
         try:
@@ -119,6 +120,8 @@ def cli(*args, stdin: str | None = None, env: dict | None = None) -> subprocess.
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         finally:
             sys.argv = argv
+            for signum, handler in handlers.items():  # a command's own (eval sets some)
+                signal.signal(signum, handler)
             sys.stdout.flush()
             sys.stderr.flush()
         stdout, stderr = out.getvalue().decode(), err.getvalue().decode()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GSM8K, run_rlcli
+from conftest import GSM8K, cli, run_rlcli
 
 DEAD_URL = "http://127.0.0.1:9"
 KEYS = {
@@ -36,7 +36,8 @@ def graded(result: dict) -> list[tuple]:
 
 
 def eval_cli(server, tiny_model, *extra):
-    return run_rlcli(
+    """`rlcli eval rl` in this process (conftest.cli); test_compare runs it as a process."""
+    return cli(
         "eval", "rl", "--model", str(tiny_model), "--base-url", server.base_url,
         "--max-new-tokens", "6", *extra,
     )  # fmt: skip
@@ -123,7 +124,7 @@ def test_compare_shows_an_sft_checkpoint_ahead_of_its_base_model(tmp_path, serve
 
 def test_bad_input_is_one_line(tmp_path, server, tiny_model):
     def fails(*args, where: str) -> None:
-        result = run_rlcli("eval", "rl", *args)
+        result = cli("eval", "rl", *args)
         assert result.returncode == 1, result.stdout
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and where in lines[0], result.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI, recipe_children, run_rlcli, wait_for_steps
+from conftest import RLCLI, cli, recipe_children, wait_for_steps
 
 EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -46,8 +46,9 @@ def train_argv(server, model, chats, run_dir: Path | None, *extra) -> list[str]:
     ]  # fmt: skip
 
 
-def rlcli(env, *args, timeout=120) -> subprocess.CompletedProcess:
-    return run_rlcli(*args, env=env, timeout=timeout)
+def rlcli(env, *args) -> subprocess.CompletedProcess:
+    """`rlcli runs ...` in this process (conftest.cli); the runs themselves are processes."""
+    return cli(*args, env=env)
 
 
 def as_json(result: subprocess.CompletedProcess):
