@@ -121,6 +121,7 @@ def run_until_step_then_kill(argv, run_dir: Path, step: int) -> None:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_kill_9_at_three_points_then_resume_matches_an_uninterrupted_run(
     tmp_path, server, tiny_model
 ):

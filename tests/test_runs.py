@@ -102,6 +102,7 @@ def runs(tmp_path_factory, server, tiny_model, chats, env, home) -> dict[str, Pa
     return {"finished": finished, **dirs}
 
 
+@pytest.mark.slow
 def test_list_show_and_plot_real_runs(runs, env, tmp_path):
     listed = {r["id"]: r for r in as_json(rlcli(env, "runs", "list", "--json"))}
     assert set(listed) >= {p.name for p in runs.values()}
@@ -162,6 +163,7 @@ def test_list_show_and_plot_real_runs(runs, env, tmp_path):
     assert "is not running (finished); nothing to cancel" in not_running.stderr
 
 
+@pytest.mark.slow
 def test_detach_follow_cancel_and_resume(server, tiny_model, chats, env, tmp_path):
     """`train sl --dataset - --detach` returns with the run id; `runs show -f` follows it;
     `runs cancel` leaves a checkpoint the server has and a cancelled run; the printed resume
@@ -231,6 +233,7 @@ def test_detach_follow_cancel_and_resume(server, tiny_model, chats, env, tmp_pat
     assert again["status"] == "finished" and again["steps_done"] == done + 1
 
 
+@pytest.mark.slow
 def test_folders_without_a_record_and_ambiguous_ids(runs, env, home, tmp_path):
     """A folder from before rlcli_run.json lists from what its files say; two runs with one
     name are one clear line asking for the path."""
