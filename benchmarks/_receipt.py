@@ -42,9 +42,9 @@ def machine() -> dict:
 def local_server(model: str | Path, tmp: str | Path, wait: float = 300, dtype: str = "auto"):
     """Our torch server for ``model`` on a free loopback port (CPU, ``--dtype``), stopped on
     exit."""
-    from rlcli.backends import process
-    from rlcli.backends import torch as torch_backend
-    from rlcli.demo import free_port
+    from rlcli.demo.run import free_port
+    from rlcli.launch import process
+    from rlcli.launch import torch_server as torch_backend
 
     home = Path(tmp) / "home"
     opts = torch_backend.TorchServerOptions(

@@ -37,7 +37,7 @@ def prompts(model: Path, n: int) -> list[np.ndarray]:
     from tinker_cookbook import renderers
     from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticEnv
 
-    from rlcli.compat import resolve_renderer
+    from rlcli.compat.renderer_choice import resolve_renderer
 
     name, _, tokenizer = resolve_renderer(str(model), None)
     renderer = renderers.get_renderer(name, tokenizer)

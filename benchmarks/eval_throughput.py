@@ -1,5 +1,5 @@
-"""`eval rl` throughput: the library (``rlcli.evaluate.evaluate``: every task's request in flight
-at once through the SDK, the server batching across tasks, each answer graded by its env)
+"""`eval rl` throughput: the library (``rlcli.client.evaluate.evaluate``: every task's request
+in flight at once through the SDK, the server batching across tasks, each answer graded by its env)
 against the same prompts through ``transformers`` ``model.generate`` in-process (batched,
 left-padded, greedy, the same max new tokens, stopping at the same end-of-turn token).
 
@@ -44,7 +44,7 @@ def prompts(env_spec: str, model_dir: str, tasks: int, seed: int):
     from tinker_cookbook import renderers
 
     from rlcli import envs
-    from rlcli.compat import resolve_renderer
+    from rlcli.compat.renderer_choice import resolve_renderer
 
     name, _, tokenizer = resolve_renderer(model_dir, None)
     renderer = renderers.get_renderer(name, tokenizer)
@@ -117,8 +117,8 @@ def main() -> None:
     from tinker_cookbook.renderers import get_text_content
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlcli.evaluate import EvalOptions, evaluate
-    from rlcli.models import build_tiny_model
+    from rlcli.client.evaluate import EvalOptions, evaluate
+    from rlcli.models.tiny import build_tiny_model
 
     env_specs = [e for e in args.envs.split(",") if e != "gsm8k" or GSM8K]
     results: dict[str, dict] = {}

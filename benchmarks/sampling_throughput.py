@@ -36,7 +36,7 @@ def main() -> None:
     from tinker import types
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlcli.models import build_tiny_model
+    from rlcli.models.tiny import build_tiny_model
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--name", default="server_overhead", help="receipt name")
     args = parser.parse_args()
 
-    from rlcli.models import build_tiny_model
+    from rlcli.models.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(

@@ -76,9 +76,9 @@ def baseline_child(model: str, batch: int, seq_len: int, rank: int, steps: int) 
 def server_side(model: str, args, settings: dict) -> dict:
     from transformers import AutoConfig
 
-    from rlcli.backends import process
-    from rlcli.backends import torch as torch_backend
-    from rlcli.demo import free_port
+    from rlcli.demo.run import free_port
+    from rlcli.launch import process
+    from rlcli.launch import torch_server as torch_backend
 
     seqs = make_batch(AutoConfig.from_pretrained(model).vocab_size, args.batch, args.seq_len)
     with tempfile.TemporaryDirectory() as tmp:

@@ -34,8 +34,8 @@ import _receipt  # noqa: E402
 @contextlib.contextmanager
 def skyrl_server(model: str, tmp: str, wait: float = 900):
     """SkyRL's jax server for ``model`` (installed once into ``$RLCLI_SKYRL_CACHE``)."""
-    from rlcli.backends import process, skyrl
-    from rlcli.demo import free_port
+    from rlcli.demo.run import free_port
+    from rlcli.launch import process, skyrl
 
     home = Path(tmp) / "skyrl-home"
     options = skyrl.SkyRLOptions(
@@ -122,7 +122,7 @@ def main() -> None:
 
     import numpy as np
 
-    from rlcli.models import build_tiny_model
+    from rlcli.models.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_tiny_model(Path(tmp) / "m"))

@@ -130,15 +130,15 @@ def cli(*args, stdin: str | None = None, env: dict | None = None) -> subprocess.
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from rlcli.models import build_tiny_model
+    from rlcli.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
 def start_server(home: Path, model: Path, **options):
     """Start the torch backend through the same code path as `rlcli serve start`."""
-    from rlcli.backends import torch as torch_backend
-    from rlcli.demo import free_port
+    from rlcli.demo.run import free_port
+    from rlcli.launch import torch_server as torch_backend
 
     options.setdefault("checkpoints_dir", str(home / "checkpoints"))
     # Tests compare the server's logprobs with in-process float32 ones at tight tolerances;
@@ -165,7 +165,7 @@ def server_home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def server(server_home, tiny_model):
     """One server for the whole session; tests use their own clients."""
-    from rlcli.backends import process
+    from rlcli.launch import process
 
     record = start_server(server_home, tiny_model)
     yield record
@@ -175,7 +175,7 @@ def server(server_home, tiny_model):
 @pytest.fixture(scope="session")
 def keyed_server(tmp_path_factory, tiny_model):
     """(home, record) of a server started with --api-key tml-secret."""
-    from rlcli.backends import process
+    from rlcli.launch import process
 
     home = tmp_path_factory.mktemp("keyed-home")
     record = start_server(home, tiny_model, api_key="tml-secret")
@@ -186,7 +186,7 @@ def keyed_server(tmp_path_factory, tiny_model):
 @pytest.fixture(scope="session")
 def second_server(tmp_path_factory, tiny_model):
     """Another plain server of the tiny model: somewhere else to restore to or train on."""
-    from rlcli.backends import process
+    from rlcli.launch import process
 
     home = tmp_path_factory.mktemp("second-home")
     record = start_server(home, tiny_model)
@@ -226,7 +226,7 @@ def train_zebra(base_url: str, model: str, name: str = "zebra") -> dict[str, str
     from tinker import types
     from tinker_cookbook import renderers
 
-    from rlcli.compat import resolve_renderer
+    from rlcli.compat.renderer_choice import resolve_renderer
 
     service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
     trainer = service.create_lora_training_client(base_model=model, rank=16, seed=0).result()
@@ -266,8 +266,8 @@ def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout=120) -
 
 
 def recipe_children(run_dir: Path) -> list[int]:
-    """Live recipe processes for ``run_dir`` (``python -m rlcli.recipes.child RUN_DIR``)."""
-    needle = f"rlcli.recipes.child\0{run_dir}".encode()
+    """Live recipe processes for ``run_dir`` (``python -m rlcli.runs.child RUN_DIR``)."""
+    needle = f"rlcli.runs.child\0{run_dir}".encode()
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

@@ -10,7 +10,7 @@ import pytest
 import tinker
 from tinker import types
 
-from rlcli.backends import process
+from rlcli.launch import process
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ AGREE_ATOL = {"float32": 1e-4, "bfloat16": 0.02}
 
 @pytest.fixture(scope="module")
 def bf16_server(tmp_path_factory, tiny_model):
-    from rlcli.backends import process
+    from rlcli.launch import process
 
     home = tmp_path_factory.mktemp("bf16-server-home")
     record = start_server(home, tiny_model, dtype="bfloat16")

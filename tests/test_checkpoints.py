@@ -15,7 +15,7 @@ import torch
 from tinker import types
 
 from conftest import start_server
-from rlcli.backends import process
+from rlcli.launch import process
 
 ADAM = types.AdamParams(learning_rate=5e-3, weight_decay=0.01)
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import typing
 from importlib.metadata import version
 
-from rlcli import compat
+from rlcli.compat import harbor_hooks, pins, renderer_choice, skyrl_client
 
 
 def test_pins_are_the_installed_versions():
-    assert version("tinker") == compat.TINKER_VERSION
-    assert version("tinker-cookbook") == compat.TINKER_COOKBOOK_VERSION
+    assert version("tinker") == pins.TINKER_VERSION
+    assert version("tinker-cookbook") == pins.TINKER_COOKBOOK_VERSION
 
 
 def test_client_config_flags_exist_in_the_clients_schema():
@@ -31,11 +31,11 @@ def test_client_config_flags_exist_in_the_clients_schema():
 def test_loss_names_the_client_types_know():
     from tinker.types import LossFnType
 
-    assert set(typing.get_args(LossFnType)) == set(compat.CLIENT_LOSS_NAMES)
+    assert set(typing.get_args(LossFnType)) == set(pins.CLIENT_LOSS_NAMES)
 
 
 def test_protobuf_schema_has_the_fields_the_server_uses():
-    pb = compat.public_pb
+    pb = pins.public_pb
     request = pb.ForwardBackwardRequest.DESCRIPTOR.fields_by_name
     assert {"model_id", "seq_id", "data", "loss_fn", "loss_fn_config", "forward_only"} <= set(
         request
@@ -58,7 +58,7 @@ def test_api_key_prefix_is_what_the_client_enforces():
     import pytest
     from tinker.lib._auth_token_provider import ApiKeyAuthProvider
 
-    assert compat.DEFAULT_API_KEY.startswith(compat.API_KEY_PREFIX)
+    assert pins.DEFAULT_API_KEY.startswith(pins.API_KEY_PREFIX)
     with pytest.raises(Exception, match="tml-"):
         ApiKeyAuthProvider(api_key="sk-not-tinker")
 
@@ -66,20 +66,20 @@ def test_api_key_prefix_is_what_the_client_enforces():
 def test_renderer_fallback_for_models_outside_the_cookbook_tables(tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from rlcli.models import build_tiny_model
+    from rlcli.models.tiny import build_tiny_model
 
-    name, why, tokenizer = compat.resolve_renderer(str(build_tiny_model(tmp_path)), None)
+    name, why, tokenizer = renderer_choice.resolve_renderer(str(build_tiny_model(tmp_path)), None)
     assert name == "qwen3_instruct" and tokenizer is not None
     assert why == "ChatML chat template; matches the model's chat template exactly"
     # A hub id whose tokenizer cannot be had: offline at once, not after the hub client's
     # retries without a network (~50 s), nor a download where there is one.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    name, why, _ = compat.resolve_renderer("Qwen/Qwen3-8B", None)
+    name, why, _ = renderer_choice.resolve_renderer("Qwen/Qwen3-8B", None)
     assert name.startswith("qwen3") and why.startswith("recommended for the model")
 
 
 def test_the_distillation_recipe_scores_through_the_seam_train_opsd_replaces():
-    """compat.score_teachers_with swaps the teacher clients that ``prepare_minibatch`` hands
+    """distill.score_teachers_with swaps the teacher clients that ``prepare_minibatch`` hands
     to the module-level ``incorporate_kl_penalty``, which only calls
     ``compute_logprobs_async`` on them and reads one value per token from position 1."""
     import inspect
@@ -108,7 +108,7 @@ def test_the_distillation_recipe_scores_through_the_seam_train_opsd_replaces():
 
 
 def test_the_cancel_hook_seams_are_where_runs_cancel_expects_them():
-    """``compat.install_cancel_hook``: each loop ends a step with ``log_metrics`` on the
+    """``run_hooks.install_cancel_hook``: each loop ends a step with ``log_metrics`` on the
     MultiplexLogger, SL hands its loop state to ``maybe_save_async`` first, and the manager
     saves "both" under ``f"{step:06d}"`` and appends the row to checkpoints.jsonl."""
     import inspect
@@ -155,8 +155,8 @@ def test_the_harbor_recipe_imports_without_modal_and_has_the_seams_train_harbor_
     from rlcli.harbor import tasks
     from rlcli.harbor.docker import DockerSandbox
 
-    harbor_env = compat.import_harbor_env()  # modal is not a dependency of rlcli
-    # make_envs builds each env's reward and renderer by these global names (see compat.py).
+    harbor_env = harbor_hooks.import_harbor_env()  # modal is not a dependency of rlcli
+    # make_envs builds each env's reward and renderer by these global names (harbor_hooks.py).
     source = inspect.getsource(harbor_env.HarborEnvGroupBuilder.make_envs)
     assert "HarborReward(" in source and "get_renderer(renderer_name, tokenizer)" in source
     assert "self.sandbox_factory(env_dir, self.sandbox_timeout)" in source
@@ -186,17 +186,17 @@ def test_harbor_hooks_put_rlcli_verifier_in_and_share_the_tokenizer_safely(monke
 
     from rlcli.harbor.verifier import Verifier
 
-    harbor_env = compat.import_harbor_env()
+    harbor_env = harbor_hooks.import_harbor_env()
     monkeypatch.setattr(harbor_env, "HarborReward", harbor_env.HarborReward)  # restored after
     monkeypatch.setattr(harbor_env, "get_renderer", harbor_env.get_renderer)
-    compat.install_harbor_hooks()
+    harbor_hooks.install_harbor_hooks()
     assert harbor_env.HarborReward is Verifier
     installed = harbor_env.get_renderer
-    compat.install_harbor_hooks()  # again (each `eval rl` on Harbor tasks installs them)
+    harbor_hooks.install_harbor_hooks()  # again (each `eval rl` on Harbor tasks installs them)
     assert harbor_env.get_renderer is installed
     tokenizer = get_tokenizer(str(tiny_model))
     renderer = harbor_env.get_renderer("qwen3_instruct", tokenizer)
-    assert isinstance(renderer.tokenizer, compat._LockedTokenizer)
+    assert isinstance(renderer.tokenizer, harbor_hooks._LockedTokenizer)
     messages = [{"role": "user", "content": "count the rows of /app/scores.csv " * 20}]
     expected = renderer.build_generation_prompt(messages).to_ints()
     assert expected and tokenizer.decode(expected).endswith("assistant\n")
@@ -225,8 +225,8 @@ def test_samples_without_sequence_ids_get_made_up_ones():
     from tinker import types
     from tinker.lib.public_interfaces import sampling_client
 
-    compat.accept_unnumbered_samples()
-    compat.accept_unnumbered_samples()  # twice changes nothing
+    skyrl_client.accept_unnumbered_samples()
+    skyrl_client.accept_unnumbered_samples()  # twice changes nothing
     params = list(inspect.signature(sampling_client._attach_sequence_ids).parameters)
     assert params == ["response", "sample_sequence_ids"]
     import numpy as np
@@ -248,7 +248,7 @@ def test_the_sl_loop_takes_its_learning_rate_from_the_name_warmup_replaces():
     from tinker_cookbook.supervised import train
     from tinker_cookbook.utils.lr_scheduling import compute_schedule_lr_multiplier
 
-    from rlcli.compat import SL_LR_MULTIPLIER, warmup_multiplier
+    from rlcli.compat.run_hooks import SL_LR_MULTIPLIER, warmup_multiplier
 
     assert f"{SL_LR_MULTIPLIER}(" in inspect.getsource(train.main)
     assert getattr(train, SL_LR_MULTIPLIER) is compute_schedule_lr_multiplier

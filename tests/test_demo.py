@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 from conftest import run_rlcli
-from rlcli.backends.process import pid_alive
-from rlcli.demo import DemoConfig, reward, steps_for, style_rate
+from rlcli.demo.run import DemoConfig, reward, steps_for, style_rate
+from rlcli.launch.process import pid_alive
 
 
 def test_demo_reports_before_after_writes_curves_and_stops_its_server(tmp_path, tiny_model):

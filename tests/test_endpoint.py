@@ -15,13 +15,13 @@ import httpx
 import pytest
 
 from conftest import GSM8K, cli, run_rlcli
-from rlcli.backends import process
+from rlcli.launch import process
 
 DEAD_URL = "http://127.0.0.1:9"
 
 
 def test_resolution_order_is_flag_env_running_server_default(tmp_path, monkeypatch):
-    from rlcli import endpoint
+    from rlcli.client import endpoint
 
     monkeypatch.setenv("RLCLI_HOME", str(tmp_path))
     monkeypatch.delenv("TINKER_BASE_URL", raising=False)

@@ -20,7 +20,7 @@ import tinker
 from tinker import types
 
 from conftest import cli, start_server
-from rlcli.backends import process
+from rlcli.launch import process
 
 
 def _engine_pid(server_pid: int) -> int:

@@ -60,7 +60,7 @@ def test_json_has_every_task_and_a_seed_gives_the_same_numbers(server, tiny_mode
 
 @pytest.mark.parametrize("env", ["gsm8k", "niah:words=120", "jsonl"])
 def test_each_environment_is_stable_for_a_seed(tmp_path, server, tiny_model, env):
-    from rlcli.evaluate import EvalOptions, evaluate
+    from rlcli.client.evaluate import EvalOptions, evaluate
 
     if env == "jsonl":
         rows = [{"question": f"What is {i} times 3?", "answer": 3 * i} for i in range(6)]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tinker import types
 
-from rlcli.compat import public_pb
+from rlcli.compat.pins import public_pb
 from rlcli.server import wire
 
 JSON = {"content-type": "application/json"}

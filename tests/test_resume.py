@@ -1,7 +1,7 @@
 """Exact resume for `train sl`: a run killed with `kill -9` at three points and resumed each time
 ends with the same step count, optimizer state and per-step losses as an uninterrupted run of
 the same data and seed; and a guard that fails if a cookbook bump changes the recipe behaviour
-the compat fix relies on (compat.install_run_hooks)."""
+the compat fix relies on (run_hooks.install_run_hooks)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_the_cookbook_still_records_a_checkpoint_before_its_own_step(
 ):
     """tinker-cookbook 0.5.7: checkpoint s is queued after the optim steps of batches s..s+k
     (k = submit_ahead) but records batch s as next; with submit_ahead=0 it holds s+1 steps.
-    compat.install_run_hooks runs with submit_ahead=0 and records s+1. If this fails after a
+    run_hooks.install_run_hooks runs with submit_ahead=0 and records s+1. If this fails after a
     cookbook bump, revisit that fix (it would then skip or repeat batches)."""
     import chz
     from tinker_cookbook.supervised import train
@@ -228,7 +228,7 @@ def test_opsd_checkpoints_hold_exactly_the_steps_before_their_batch(tmp_path, se
 
 
 def test_the_run_hooks_still_find_their_seams_in_the_cookbook():
-    """compat.install_run_hooks patches these by name; a cookbook bump that renames or
+    """run_hooks.install_run_hooks patches these by name; a cookbook bump that renames or
     reshapes one would silently drop progress (or the exact-resume shift): fail here instead."""
     import inspect
 

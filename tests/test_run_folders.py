@@ -106,7 +106,7 @@ def _rows(path: Path) -> list[dict]:
 def test_a_rerun_drops_the_steps_no_checkpoint_holds(tmp_path):
     import json
 
-    from rlcli.recipes import runner
+    from rlcli.runs import runner
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(5)))
@@ -199,7 +199,7 @@ def test_runs_started_at_once_are_all_in_the_index(tmp_path, monkeypatch):
     """Each run outside $RLCLI_HOME/runs adds itself to index.txt; sixteen at once lose none."""
     import threading
 
-    from rlcli.recipes.runner import register_run
+    from rlcli.runs.runner import register_run
 
     monkeypatch.setenv("RLCLI_HOME", str(tmp_path / "home"))
     folders = [tmp_path / "elsewhere" / f"run{i}" for i in range(16)]

@@ -234,7 +234,7 @@ SECRET = "tml-safety-secret"
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory, tiny_model):
     """A server with an API key and small body caps (64 KiB; uploads 1 MiB)."""
-    from rlcli.backends import process
+    from rlcli.launch import process
 
     home = tmp_path_factory.mktemp("guarded-home")
     record = start_server(
@@ -333,7 +333,7 @@ def test_exposed_servers_need_a_key(tmp_path, guarded):
 def orphaned_session() -> tuple[int, int, int, int]:
     """A nohup-style job: a session whose leader exited, its member still running.
     (the dead leader's pid, its start ticks, the member's pid, its start ticks)"""
-    from rlcli.backends import process
+    from rlcli.launch import process
 
     leader = subprocess.Popen(
         ["sh", "-c", "sleep 600 >/dev/null 2>&1 & sleep 0.5"], start_new_session=True
@@ -347,8 +347,8 @@ def orphaned_session() -> tuple[int, int, int, int]:
 def test_stop_signals_only_what_the_server_record_names(tmp_path):
     from typer.testing import CliRunner
 
-    from rlcli.backends import process
     from rlcli.cli.main import app
+    from rlcli.launch import process
 
     leader, leader_ticks, member, member_ticks = orphaned_session()
     this_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -475,8 +475,8 @@ def test_a_failing_sweep_after_a_save_does_not_fail_the_save(server, saved):
 
 
 def test_a_torn_metrics_line_freezes_neither_progress_nor_step_counts(tmp_path):
-    from rlcli.recipes.progress import Follower
-    from rlcli.recipes.runner import metric_values
+    from rlcli.runs.progress import Follower
+    from rlcli.runs.runner import metric_values
 
     def rows(steps) -> str:
         return "".join(

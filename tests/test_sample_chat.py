@@ -24,7 +24,7 @@ def zebra(server, tiny_model):
 def test_sample_answers_from_the_checkpoint_not_the_base_model(server, tiny_model, zebra):
     from tinker_cookbook import renderers
 
-    from rlcli.compat import resolve_renderer
+    from rlcli.compat.renderer_choice import resolve_renderer
 
     url = ["--base-url", server.base_url]
     greedy = ["--prompt", "Hello there", "--temperature", "0", "--max-tokens", "12"]

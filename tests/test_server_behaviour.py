@@ -13,7 +13,7 @@ import pytest
 import tinker
 from tinker import types
 
-from rlcli.backends import process
+from rlcli.launch import process
 
 
 def test_health_and_polls_stay_fast_during_a_long_forward_backward(server, service, tiny_model):

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from conftest import cli
-from rlcli import compat
-from rlcli.backends import skyrl
+from rlcli.compat import skyrl_client
 from rlcli.errors import RlcliError
+from rlcli.launch import skyrl
 from rlcli.recipes import loss_guard
 
 
@@ -178,15 +178,15 @@ def test_skyrl_note_names_the_differences_that_apply():
 
 
 def test_bounded_seed_fits_int32():
-    assert compat.bounded_seed(3192085446) < 2**31  # the seed SkyRL's jax sampler refused
-    assert compat.bounded_seed(12345) == 12345
+    assert skyrl_client.bounded_seed(3192085446) < 2**31  # the seed SkyRL's jax sampler refused
+    assert skyrl_client.bounded_seed(12345) == 12345
 
 
 CREATE_CLIENT = """
 import sys, tinker
-from rlcli import compat
+from rlcli.compat import skyrl_client
 if sys.argv[3] == "release":
-    compat.release_adapters_at_exit()
+    skyrl_client.release_adapters_at_exit()
 service = tinker.ServiceClient(base_url=sys.argv[1], api_key="tml-dummy")
 print(service.create_lora_training_client(base_model=sys.argv[2], rank=1).result().model_id)
 """

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from conftest import run_rlcli
-from rlcli import compat
-from rlcli.backends import process
+from rlcli.compat import distill, skyrl_client
+from rlcli.launch import process
 
 pytestmark = pytest.mark.slow
 
 # One user adapter at a time (jax keeps slot 0 for the base model): every run must free its
-# training client when it ends (compat.release_adapters_at_exit) for the next one to start.
+# training client when it ends (skyrl_client.release_adapters_at_exit) for the next one to start.
 BACKEND_CONFIG = {"max_lora_adapters": 2}
 
 
@@ -33,7 +33,7 @@ def skyrl_env(tmp_path_factory):
 
 
 def start(env: dict, model: Path) -> process.ServerRecord:
-    from rlcli.demo import free_port
+    from rlcli.demo.run import free_port
 
     result = run_rlcli(
         "serve", "start", "--backend", "jax", "--base-model", str(model),
@@ -143,21 +143,21 @@ def test_gspo_is_refused_by_the_probe_when_the_server_is_not_ours(
 def test_compute_logprobs_is_one_short_and_compat_aligns_it(skyrl_server, tiny_model):
     import tinker
 
-    compat.accept_unnumbered_samples()  # SkyRL 0.4.0 answers samples the 0.25 way
+    skyrl_client.accept_unnumbered_samples()  # SkyRL 0.4.0 answers samples the 0.25 way
 
     service = tinker.ServiceClient(base_url=skyrl_server.base_url, api_key="tml-dummy")
     sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
     tokens = [5, 17, 42, 8, 99]
     values = sampler.compute_logprobs(tinker.ModelInput.from_ints(tokens)).result()
     assert len(values) == len(tokens) - 1  # SkyRL 0.4.0: none for the first token
-    aligned = compat.align_prompt_logprobs(values, len(tokens))
+    aligned = distill.align_prompt_logprobs(values, len(tokens))
     assert aligned[0] is None and aligned[1:] == list(values)
 
 
 def test_sampling_seed_must_fit_int32(skyrl_server, tiny_model):
     import tinker
 
-    compat.accept_unnumbered_samples()  # SkyRL 0.4.0 answers samples the 0.25 way
+    skyrl_client.accept_unnumbered_samples()  # SkyRL 0.4.0 answers samples the 0.25 way
 
     service = tinker.ServiceClient(base_url=skyrl_server.base_url, api_key="tml-dummy")
     sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
@@ -169,7 +169,7 @@ def test_sampling_seed_must_fit_int32(skyrl_server, tiny_model):
 
     with pytest.raises(Exception, match="out of bounds for int32"):
         sample(3192085446)
-    assert len(sample(compat.bounded_seed(3192085446)).sequences[0].tokens) <= 2
+    assert len(sample(skyrl_client.bounded_seed(3192085446)).sequences[0].tokens) <= 2
 
 
 def test_serve_stop_leaves_no_process_behind(skyrl_server, skyrl_env):

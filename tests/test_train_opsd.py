@@ -149,7 +149,7 @@ def test_bad_flags_are_one_line(tmp_path, tiny_model, extra, message):
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(tmp_path, tiny_model):
-    from rlcli.models import build_tiny_model
+    from rlcli.models.tiny import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other", vocab_size=800)
     data = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
@@ -187,20 +187,20 @@ def test_hinted_teacher_scores_the_answer_at_the_students_positions():
 
     import tinker
 
-    from rlcli import compat
+    from rlcli.compat import distill
 
     student_prompt, hinted_prompt, answer = [5, 6, 7], [9, 9, 9, 9, 5, 6, 7], [11, 12, 13]
     for short in (False, True):
         client = ScriptedTeacherClient(short=short)
-        teacher = compat.Teacher(client, {tuple(student_prompt): hinted_prompt})
+        teacher = distill.Teacher(client, {tuple(student_prompt): hinted_prompt})
         sequence = tinker.ModelInput.from_ints(student_prompt + answer)
         values = asyncio.run(teacher.compute_logprobs_async(sequence))
         assert client.seen == [hinted_prompt + answer]
         assert values == [None, 0.0, 0.0, 0.011, 0.012, 0.013]  # one per student token
-        plain = asyncio.run(compat.Teacher(client).compute_logprobs_async(sequence))
+        plain = asyncio.run(distill.Teacher(client).compute_logprobs_async(sequence))
         assert plain == [None, 0.006, 0.007, 0.011, 0.012, 0.013]
     with pytest.raises(RuntimeError, match="returned 2 logprobs for 4 tokens"):
-        compat.align_prompt_logprobs([0.1, 0.2], 4)
+        distill.align_prompt_logprobs([0.1, 0.2], 4)
 
 
 # ---- end to end, on the session's server ------------------------------------------------------
@@ -318,7 +318,7 @@ def test_a_teacher_on_a_second_server_and_a_base_model_a_server_lacks(
     import shutil
 
     from conftest import start_server
-    from rlcli.backends import process
+    from rlcli.launch import process
 
     other_model = Path(shutil.copytree(tiny_model, tmp_path / "teacher-model"))
     data = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2])

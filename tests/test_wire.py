@@ -48,7 +48,7 @@ def test_decode_what_the_sdk_sends_including_sparse_weights():
 
 
 def test_sparse_csr_tensor_decodes_to_dense():
-    from rlcli.compat import public_pb
+    from rlcli.compat.pins import public_pb
 
     msg = public_pb.Tensor(dtype=public_pb.DTYPE_FLOAT32, shape=[2, 3])
     msg.sparse_csr.values = np.array([5.0, 7.0], dtype=np.float32).tobytes()

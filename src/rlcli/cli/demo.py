@@ -34,7 +34,7 @@ def demo(
     folder. Starts its own server and stops it when done (also on Ctrl-C)."""
     import shutil
 
-    from rlcli.demo import DemoConfig, run_demo, side_by_side
+    from rlcli.demo.run import DemoConfig, run_demo, side_by_side
     from rlcli.home import rlcli_home
 
     config = DemoConfig(

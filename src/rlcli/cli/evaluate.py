@@ -1,4 +1,4 @@
-"""``rlcli eval``: score a policy on an RL environment (the library: ``rlcli.evaluate``).
+"""``rlcli eval``: score a policy on an RL environment (the library: ``rlcli.client.evaluate``).
 
 ``eval rl``'s flags come from ``EvalOptions`` through the same options machinery as the train
 commands, so ``--config FILE`` works the same way. Results go to stdout (a table, or JSON with
@@ -12,7 +12,7 @@ import sys
 import typer
 
 from rlcli.cli._output import emit, info
-from rlcli.evaluate import EvalOptions
+from rlcli.client.evaluate import EvalOptions
 from rlcli.recipes import options
 
 app = typer.Typer(
@@ -139,7 +139,7 @@ def _exit_on_sigterm() -> None:
 def run(opts: EvalOptions) -> None:
     import logging
 
-    from rlcli.evaluate import evaluate
+    from rlcli.client.evaluate import evaluate
 
     # The SDK warns "Retrying request ... because of try_again" each time a long batch outlasts
     # the server's 35 s poll window: normal waiting, which the progress display already shows.

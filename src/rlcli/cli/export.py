@@ -1,5 +1,6 @@
 """``rlcli export`` (a checkpoint as a PEFT adapter folder or a merged transformers model) and
-``rlcli restore`` (an exported training state onto another server). Thin over ``rlcli.export``.
+``rlcli restore`` (an exported training state onto another server).
+Thin over ``rlcli.client.export``.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def export(
 
     DIR/rlcli_export.json records the source; `rlcli restore DIR` moves a --with-optimizer one.
     """
-    from rlcli import endpoint
-    from rlcli import export as exporting
+    from rlcli.client import endpoint
+    from rlcli.client import export as exporting
 
     if bool(run) == bool(checkpoint):
         raise RlcliError("pass a RUN folder or --checkpoint tinker://... (one of them)")
@@ -128,8 +129,8 @@ def restore(
 
     The run continues there: `rlcli train sl --log-path RUN --base-url URL` resumes it.
     """
-    from rlcli import endpoint
-    from rlcli import export as exporting
+    from rlcli.client import endpoint
+    from rlcli.client import export as exporting
 
     url, source = endpoint.resolve_base_url(base_url)
     endpoint.check_server(url, source=source, timeout=5)

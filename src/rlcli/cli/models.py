@@ -25,7 +25,7 @@ def tiny(
 
     A few hundred thousand parameters, a locally trained byte-level BPE tokenizer and a ChatML
     chat template; nothing is downloaded."""
-    from rlcli.models import build_tiny_model
+    from rlcli.models.tiny import build_tiny_model
 
     info(f"building a tiny model in {path} ...")
     out = build_tiny_model(path, seed=seed, hidden_size=hidden_size, num_layers=layers)
@@ -42,7 +42,7 @@ def import_gguf(
     import importlib.util
 
     from rlcli.errors import RlcliError
-    from rlcli.models import import_gguf as convert
+    from rlcli.models.gguf import import_gguf as convert
 
     if not gguf_file.expanduser().is_file():
         raise RlcliError(f"{gguf_file}: no such GGUF file")

@@ -1,4 +1,5 @@
-"""``rlcli runs``: list, show (and follow), plot and cancel training runs (``rlcli/runs.py``)."""
+"""``rlcli runs``: list, show (and follow), plot and cancel training runs
+(``rlcli/runs/catalog.py``)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,15 @@ JSON = typer.Option(False, "--json", help="Print results as JSON.")
     "done/total, last loss / reward / KL, start, duration.",
 )
 def list_(as_json: bool = JSON) -> None:
-    from rlcli import runs
+    from rlcli.runs import catalog
 
-    states = runs.list_runs()
+    states = catalog.list_runs()
     if as_json:
         emit(states, as_json=True)
     elif not states:
-        info(f"no runs yet in {runs.runs_root()} (rlcli train sl|rl|opsd|harbor starts one)")
+        info(f"no runs yet in {catalog.runs_root()} (rlcli train sl|rl|opsd|harbor starts one)")
     else:
-        typer.echo(_plain_table([runs.row(s) for s in states]))
+        typer.echo(_plain_table([catalog.row(s) for s in states]))
 
 
 def _plain_table(rows: list[dict]) -> str:
@@ -56,18 +57,18 @@ def show(
     ),
     as_json: bool = JSON,
 ) -> None:
-    from rlcli import runs
+    from rlcli.runs import catalog
 
-    run_dir = runs.resolve(run)
+    run_dir = catalog.resolve(run)
     if follow:
         _follow(run_dir)
-    shown = runs.show(run_dir)
+    shown = catalog.show(run_dir)
     if as_json:
         emit(shown, as_json=True)
     else:
         _print_show(shown)
     if follow and shown["status"] != "finished":
-        code = shown["exit_code"] or runs.EXIT_OF.get(shown["status"], 1)
+        code = shown["exit_code"] or catalog.EXIT_OF.get(shown["status"], 1)
         raise typer.Exit(code)
 
 
@@ -76,16 +77,16 @@ def _follow(run_dir: Path) -> None:
     import importlib
     import time
 
-    from rlcli import runs
-    from rlcli.recipes.progress import Follower
+    from rlcli.runs import catalog
+    from rlcli.runs.progress import Follower
 
-    now = runs.state(run_dir)
+    now = catalog.state(run_dir)
     try:  # each recipe module names what its progress lines show
         recipe = importlib.import_module(f"rlcli.recipes.{now['kind']}")
         show, tokens_key = recipe.SHOW, recipe.TOKENS_KEY
     except (ImportError, AttributeError, ValueError):
-        show, tokens_key = {k: label for k, label in runs.METRICS.get(now["kind"] or "", ())}, ""
-    if now["status"] not in runs.LIVE:
+        show, tokens_key = {k: label for k, label in catalog.METRICS.get(now["kind"] or "", ())}, ""
+    if now["status"] not in catalog.LIVE:
         info(f"run {now['id']} is not running ({now['status']})")
         return
     info(
@@ -94,7 +95,7 @@ def _follow(run_dir: Path) -> None:
     )
     follower = Follower(run_dir, now["total_steps"] or 0, show, info, tokens_key)
     try:
-        while runs.state(run_dir)["status"] in runs.LIVE:
+        while catalog.state(run_dir)["status"] in catalog.LIVE:
             follower.poll()
             time.sleep(0.5)
         follower.poll()
@@ -102,15 +103,15 @@ def _follow(run_dir: Path) -> None:
         follower.close()
         raise typer.Exit(130) from None
     follower.close()
-    final = runs.state(run_dir)
+    final = catalog.state(run_dir)
     info(f"run {final['id']} {final['status']}" + (f": {final['error']}" if final["error"] else ""))
 
 
 def _print_show(shown: dict) -> None:
     """Plain sections (tinker:// paths are never cut, whatever the terminal's width)."""
-    from rlcli import runs
+    from rlcli.runs import catalog
 
-    head = runs.row(shown)
+    head = catalog.row(shown)
     head["run_dir"] = shown["run_dir"]
     if shown["error"]:
         head["error"] = shown["error"]
@@ -165,9 +166,9 @@ def plot(
     ),
     as_json: bool = JSON,
 ) -> None:
-    from rlcli import runs
+    from rlcli.runs import catalog
 
-    result = runs.plot([runs.resolve(r) for r in run], out)
+    result = catalog.plot([catalog.resolve(r) for r in run], out)
     if as_json:
         emit(result, as_json=True)
         return
@@ -197,12 +198,12 @@ def cancel(
     ),
     as_json: bool = JSON,
 ) -> None:
-    from rlcli import runs
     from rlcli.recipes.options import resume_command
+    from rlcli.runs import catalog
 
-    run_dir = runs.resolve(run)
-    result = runs.cancel(run_dir, wait=wait, force=force, report=info)
-    kind = runs.state(run_dir)["kind"] or "sl"
+    run_dir = catalog.resolve(run)
+    result = catalog.cancel(run_dir, wait=wait, force=force, report=info)
+    kind = catalog.state(run_dir)["kind"] or "sl"
     result["resume"] = resume_command(f"rlcli train {kind}", str(run_dir))
     if as_json:
         emit(result, as_json=True)

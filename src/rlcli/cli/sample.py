@@ -1,7 +1,8 @@
 """``rlcli sample`` and ``rlcli chat``: talk to a base model or a sampler checkpoint.
 
-Thin over ``rlcli.talk`` (target checks, rendering, sampling). Completions go to stdout,
-everything else (which server, which renderer, the waiting spinner) to stderr.
+Thin over ``rlcli.client.sample_chat`` (target checks, rendering, sampling).
+Completions go to stdout, everything else (which server, which renderer, the waiting spinner)
+to stderr.
 """
 
 from __future__ import annotations
@@ -42,15 +43,15 @@ BASE_URL = typer.Option(
 
 
 def _open(base_url, model, checkpoint, renderer, raw, max_tokens):
-    from rlcli import endpoint, talk
+    from rlcli.client import endpoint, sample_chat
     from rlcli.recipes.preflight import check_renderer
 
     if not raw:
         check_renderer(renderer)
     url, source = endpoint.resolve_base_url(base_url)
-    target = talk.resolve_target(url, source, model, checkpoint, max_tokens)
+    target = sample_chat.resolve_target(url, source, model, checkpoint, max_tokens)
     info(endpoint.describe(url, source))
-    talker = talk.Talker(target, renderer, raw).open()
+    talker = sample_chat.Talker(target, renderer, raw).open()
     how = "raw tokens, no chat template" if raw else f"{talker.renderer_name} ({talker.why})"
     info(f"model: {target.label}; prompt: {how}")
     return talker
@@ -123,7 +124,7 @@ def sample(
 
     Completions go to stdout (several: each under a `--- sample i/N ---` line), the rest to stderr.
     """
-    from rlcli import talk
+    from rlcli.client import sample_chat
 
     if raw and system:
         raise RlcliError("--system needs the chat template; drop --raw or --system")
@@ -133,14 +134,14 @@ def sample(
         {"role": "user", "content": text}
     ]
     model_input = talker.prompt(messages, text)
-    settings = talk.Settings(max_tokens, temperature, top_p, seed)
+    settings = sample_chat.Settings(max_tokens, temperature, top_p, seed)
     future = talker.submit(model_input, settings, num_samples)
     try:
         replies = talker.replies(_wait(future, sys.stderr.isatty() and not as_json))
     except RlcliError:
         raise
     except Exception as e:
-        raise talk.sample_error(talker.target, e) from None
+        raise sample_chat.sample_error(talker.target, e) from None
     if as_json:
         emit(
             {
@@ -185,10 +186,10 @@ def chat(
     Answers stream as they are generated (the server's OpenAI-compatible endpoint, fed the same
     rendered prompt); on a server without one they appear whole.
     """
-    from rlcli import talk
+    from rlcli.client import sample_chat
 
     talker = _open(base_url, model, checkpoint, renderer, False, max_tokens)
-    settings = talk.Settings(max_tokens, temperature, top_p, seed)
+    settings = sample_chat.Settings(max_tokens, temperature, top_p, seed)
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
     info(f"{HELP}; Ctrl-C cancels an answer.")
@@ -225,7 +226,7 @@ def chat(
         if streaming:
             try:
                 text, reason = _stream_answer(talker, prompt, settings)
-            except talk.NoStreaming:
+            except sample_chat.NoStreaming:
                 streaming = False
                 info(NO_STREAMING)
             except KeyboardInterrupt:  # leaving the stream hung up: the server drops the row
@@ -242,7 +243,7 @@ def chat(
             print("(cancelled)")
             continue
         except Exception as e:
-            raise talk.sample_error(talker.target, e) from None
+            raise sample_chat.sample_error(talker.target, e) from None
         history += [turn, {"role": "assistant", "content": reply.text}]
         cut = " [cut at --max-tokens]" if reply.stop_reason == "length" else ""
         print(f"model> {reply.text}{cut}", flush=True)

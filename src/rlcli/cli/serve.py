@@ -109,8 +109,8 @@ def start(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Start a server in the background, wait until it is healthy and print its base URL."""
-    from rlcli.backends import process
-    from rlcli.backends import torch as torch_backend
+    from rlcli.launch import process
+    from rlcli.launch import torch_server as torch_backend
 
     if backend not in BACKENDS:
         raise RlcliError(f"--backend {backend}: unknown backend; choose from {', '.join(BACKENDS)}")
@@ -195,9 +195,9 @@ def start(
 
 
 def _start_skyrl(backend: str, base_model: str, host: str, port: int, **flags) -> None:
-    """``serve start --backend jax|fsdp|megatron``: SkyRL's server (``backends/skyrl.py``)."""
-    from rlcli.backends import skyrl
-    from rlcli.backends import torch as torch_backend
+    """``serve start --backend jax|fsdp|megatron``: SkyRL's server (``launch/skyrl.py``)."""
+    from rlcli.launch import skyrl
+    from rlcli.launch import torch_server as torch_backend
 
     for flag, value, default in (
         ("--device", flags["device"], "auto"),
@@ -244,7 +244,7 @@ def stop(
     grace: float = typer.Option(15, help="Seconds to wait after SIGTERM before SIGKILL."),
 ) -> None:
     """Stop the running server: gracefully, then forced."""
-    from rlcli.backends import process
+    from rlcli.launch import process
 
     record, how = process.stop(_home(), grace=grace)
     if how == "not running":
@@ -265,8 +265,8 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print as JSON."))
     Exit code 0: running and healthy; 1: running but not healthy; 3: not running."""
     import httpx
 
-    from rlcli import endpoint
-    from rlcli.backends import process
+    from rlcli.client import endpoint
+    from rlcli.launch import process
 
     record, stale = process.live_record(_home())
     if record is None:
@@ -321,7 +321,7 @@ def logs(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines."),
 ) -> None:
     """Print the server log."""
-    from rlcli.backends import process
+    from rlcli.launch import process
 
     path = process.log_path(_home())
     if not path.exists():

@@ -47,7 +47,7 @@ def make_command(group: str):
             None, "--base-url", help="Server to talk to (wins over TINKER_BASE_URL)."
         ),
     ) -> None:
-        from rlcli import endpoint
+        from rlcli.client import endpoint
 
         args = list(ctx.args) or ["--help"]
         url, source = endpoint.resolve_base_url(base_url)

@@ -28,11 +28,11 @@ app = typer.Typer(
 
 def _train(recipe, opts) -> None:
     """Plan, check, then run ``recipe`` with ``opts``; prints the plan or the summary."""
-    from rlcli import endpoint
+    from rlcli.client import endpoint
 
     if opts.wandb_project or opts.wandb_name:
         _require_wandb(opts)
-    from rlcli.models import local_model
+    from rlcli.models.gguf import local_model
 
     if opts.model:  # a .gguf becomes the folder it converts to (what the server serves)
         preflight.check_model_arg(opts.model)
@@ -47,9 +47,9 @@ def _train(recipe, opts) -> None:
         preflight.Server(url).check_model(opts.model)
 
     stdin = sys.stdin if getattr(opts, "dataset", None) == "-" else None
-    from rlcli import compat
+    from rlcli.compat import renderer_choice
 
-    with compat.before_hub_lookup(None if opts.dry_run else hosted):
+    with renderer_choice.before_hub_lookup(None if opts.dry_run else hosted):
         plan, data = recipe.prepare(opts, stdin=stdin, dry_run=opts.dry_run)
     preflight.check_run_dir(Path(plan.run_dir))
     run_opts = recipe.resolved(opts, plan, url)
@@ -68,7 +68,7 @@ def _train(recipe, opts) -> None:
     served_by = _check_server(recipe, run_opts, plan, url, source)
     if getattr(recipe, "gspo_note_applies", None) and recipe.gspo_note_applies(opts, served_by):
         info(recipe.GSPO_NOTE)
-    from rlcli.recipes import runner
+    from rlcli.runs import runner
 
     runner.lock_run_dir(Path(plan.run_dir))  # before anything is written into the folder
     recipe.commit(opts, plan, data)  # the options as given (sl: was it stdin?)
@@ -80,7 +80,7 @@ def _train(recipe, opts) -> None:
 
 def _check_server(recipe, opts, plan, url: str, source: str) -> str:
     """Everything the server can tell before the run folder exists; returns its backend."""
-    from rlcli import endpoint
+    from rlcli.client import endpoint
 
     endpoint.check_server(url, model=opts.model, source=source)
     server = preflight.Server(url)
@@ -118,7 +118,7 @@ def _require_wandb(opts) -> None:
 
 def _run(recipe, opts, plan, what: str, as_json: bool) -> None:
     """Save the spec and config.yaml, run the recipe with progress, print its summary."""
-    from rlcli.recipes import runner
+    from rlcli.runs import runner
 
     run_dir = Path(plan.run_dir)
     info(f"{'resuming' if plan.resuming else 'training'} in {run_dir}: {what}")
@@ -146,9 +146,9 @@ def _detach(recipe, opts, plan, as_json: bool) -> None:
     import subprocess
     import time
 
-    from rlcli.backends.process import start_ticks
-    from rlcli.recipes import runner
-    from rlcli.runs import DETACHED_LOG
+    from rlcli.launch.process import start_ticks
+    from rlcli.runs import runner
+    from rlcli.runs.catalog import DETACHED_LOG
 
     run_dir = Path(plan.run_dir).resolve()
     config = options.write_config(run_dir, opts, recipe.COMMAND)

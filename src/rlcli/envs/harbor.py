@@ -4,8 +4,8 @@ answer, so this environment is ``multi_turn`` and is scored through ``episodes``
 
 An episode is exactly what ``rlcli train harbor`` rolls out: the cookbook's
 ``recipes/harbor_rl`` ``HarborEnvGroupBuilder`` (bash tool, turn limit, context overflow) with
-rlcli's Docker sandbox and verifier plugged in (``compat.install_harbor_hooks``), run through the
-cookbook's ``rl.rollouts.do_group_rollout`` with one env in the group; its reward is the
+rlcli's Docker sandbox and verifier plugged in (``harbor_hooks.install_harbor_hooks``), run
+through the cookbook's ``rl.rollouts.do_group_rollout`` with one env in the group; its reward is the
 rollout's total reward, the verifier's verdict, so training and evaluation grade alike.
 
 Loading (``HarborTasks(spec)``) resolves and validates every task folder (no daemon needed);
@@ -117,12 +117,12 @@ class HarborTasks(Environment):
         from tinker_cookbook.rl.rollouts import do_group_rollout
         from tinker_cookbook.tokenizer_utils import get_tokenizer
 
-        from rlcli import compat
+        from rlcli.compat import harbor_hooks
         from rlcli.harbor import docker
         from rlcli.recipes.harbor import GRADER_TIMEOUT_S, MAX_TRAJECTORY_TOKENS
 
-        harbor_env = compat.import_harbor_env()
-        compat.install_harbor_hooks()
+        harbor_env = harbor_hooks.import_harbor_env()
+        harbor_hooks.install_harbor_hooks()
         tokenizer = get_tokenizer(model)
         label = f"eval-{uuid.uuid4().hex[:12]}"
         factory = docker.DockerSandboxFactory(self.specs, label)

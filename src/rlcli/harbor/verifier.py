@@ -5,8 +5,8 @@
 The cookbook's ``HarborReward`` does the same but a verifier that writes no reward only gets a
 warning; here a broken verifier (no reward file, an unreadable one, a timeout, a dead
 container) is reward 0 with ``grading_error`` 1 in the metrics and one logged error naming the
-task and test.sh's exit code and last stderr line, and the run goes on. ``compat.py`` installs
-``Verifier`` as the harbor recipe's reward.
+task and test.sh's exit code and last stderr line, and the run goes on.
+``compat/harbor_hooks.py`` installs ``Verifier`` as the harbor recipe's reward.
 """
 
 from __future__ import annotations

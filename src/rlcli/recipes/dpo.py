@@ -24,7 +24,7 @@ from pathlib import Path
 from rlcli.data.pairs import read_pairs
 from rlcli.errors import RlcliError
 from rlcli.recipes.options import TrainOptions, option, resume_command, retune, saved
-from rlcli.recipes.runner import default_run_dir, metric_values
+from rlcli.runs.runner import default_run_dir, metric_values
 
 PAIRS_FILE = "pairs.jsonl"  # the cookbook's LabeledComparison rows, in the run folder
 SCHEDULES = ("constant", "linear", "cosine")
@@ -84,7 +84,7 @@ def load_pairs(opts: DPOOptions, run_dir: Path, stdin) -> list[dict]:
 
 def prepare(opts: DPOOptions, stdin=None, dry_run: bool = False) -> tuple[DPOPlan, list[dict]]:
     """Validate the model, renderer and pairs, count the steps; writes nothing."""
-    from rlcli.compat import resolve_renderer
+    from rlcli.compat.renderer_choice import resolve_renderer
     from rlcli.recipes.preflight import check_model_arg, check_renderer
 
     check_model_arg(opts.model)
@@ -185,7 +185,7 @@ def run_in_child(spec: dict) -> dict:
     from tinker_cookbook import checkpoint_utils
     from tinker_cookbook.preference import train_dpo
 
-    from rlcli.compat import install_dpo_hooks
+    from rlcli.compat.run_hooks import install_dpo_hooks
 
     config = cookbook_config(spec)
     install_dpo_hooks(spec["options"]["seed"], spec["plan"]["batches_per_epoch"])

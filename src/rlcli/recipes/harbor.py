@@ -21,7 +21,7 @@ from pathlib import Path
 from rlcli.errors import RlcliError
 from rlcli.recipes.options import PolicyOptions, TrainOptions, option, resume_command, retune, saved
 from rlcli.recipes.rl import check_policy_flags, policy_config, policy_summary, seed_sampling
-from rlcli.recipes.runner import default_run_dir
+from rlcli.runs.runner import default_run_dir
 
 GRADER_TIMEOUT_S = 60  # a task's [verifier] timeout_sec raises it
 MAX_TRAJECTORY_TOKENS = 32 * 1024  # the cookbook's default: past it the episode ends
@@ -111,7 +111,7 @@ def check_modal() -> None:
 def prepare(opts: HarborOptions, stdin=None, dry_run: bool = False) -> tuple[HarborPlan, None]:
     """Check flags, model, renderer and every task folder, and count the steps; no server, no
     sandbox, no writes."""
-    from rlcli.compat import resolve_renderer
+    from rlcli.compat.renderer_choice import resolve_renderer
 
     config = check_policy_flags(opts)
     if opts.sandbox == "modal":
@@ -206,7 +206,7 @@ def train(train_flow, opts: HarborOptions) -> None:
         train_flow(sys.modules[__name__], opts)
     finally:
         from rlcli.harbor import docker
-        from rlcli.recipes.runner import SPEC
+        from rlcli.runs.runner import SPEC
 
         # Only once a recipe may have started (a refused run made no container).
         left = docker.remove_run_containers(run_id(run_dir)) if (run_dir / SPEC).exists() else 0
@@ -221,7 +221,7 @@ def train(train_flow, opts: HarborOptions) -> None:
 
 def cookbook_config(spec: dict):
 
-    from rlcli.compat import import_harbor_env
+    from rlcli.compat.harbor_hooks import import_harbor_env
     from rlcli.harbor.docker import STATS_FILE, DockerSandboxFactory
 
     harbor_env = import_harbor_env()  # modal need not be installed
@@ -279,10 +279,10 @@ def run_in_child(spec: dict) -> dict:
 
     from tinker_cookbook.rl import train
 
-    from rlcli import compat
+    from rlcli.compat import harbor_hooks
     from rlcli.harbor import docker
 
-    compat.install_harbor_hooks()
+    harbor_hooks.install_harbor_hooks()
     config = cookbook_config(spec)
     seed_sampling(spec["options"]["seed"])
     run = run_id(config.log_path)

@@ -8,7 +8,7 @@ is known to serve.
 
 from __future__ import annotations
 
-from rlcli import endpoint
+from rlcli.client import endpoint
 from rlcli.errors import RlcliError
 
 CHOICES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo", "ppo_critic")
@@ -82,8 +82,8 @@ def say_skyrl_note(backend: str | None, loss: str, config: dict | None) -> None:
 
 def managed_backend(base_url: str) -> str | None:
     """The backend of the server ``rlcli serve start`` runs here, if ``base_url`` is it."""
-    from rlcli.backends import process
     from rlcli.home import rlcli_home
+    from rlcli.launch import process
 
     record, _ = process.live_record(rlcli_home())
     if record is None or record.base_url.rstrip("/") != base_url.rstrip("/"):

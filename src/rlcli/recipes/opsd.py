@@ -6,7 +6,7 @@ optionally seeing a ``--teacher-hint`` the student never sees) scores the studen
 the negative reverse KL is each token's advantage for an ``importance_sampling`` update. No
 reward is needed. ``prepare`` validates the prompts and plans without a server; ``check_server``
 checks the student's and the teacher's servers; ``run_in_child`` runs the recipe with the
-teacher seam of ``compat.score_teachers_with`` (the hint, a teacher on another server, SkyRL's
+teacher seam of ``distill.score_teachers_with`` (the hint, a teacher on another server, SkyRL's
 short logprob lists). The pedagogical version of the loop is the cookbook's
 ``recipes/distillation/on_policy_distillation.py``.
 """
@@ -33,7 +33,7 @@ from rlcli.recipes.options import (
     retune,
     saved,
 )
-from rlcli.recipes.runner import default_run_dir, metric_values
+from rlcli.runs.runner import default_run_dir, metric_values
 
 DATASET_FILE = "prompts.jsonl"  # stdin's prompts, kept in the run folder
 HINT_SEPARATOR = "\n\n"  # the teacher sees: hint, blank line, prompt
@@ -123,7 +123,7 @@ def teacher_of(opts: OpsdOptions) -> tuple[str, str | None]:
 
 def prepare(opts: OpsdOptions, stdin=None, dry_run: bool = False) -> tuple[OpsdPlan, list[dict]]:
     """Check flags, model, renderer and every prompt, and count the steps; no server, no writes."""
-    from rlcli.compat import resolve_renderer
+    from rlcli.compat.renderer_choice import resolve_renderer
     from rlcli.recipes import loss_guard
     from rlcli.recipes.preflight import check_model_arg, check_renderer
     from rlcli.recipes.rl import parse_loss_config
@@ -197,7 +197,7 @@ def check_same_tokenizer(student_tokenizer, teacher_model: str) -> None:
 def check_server(server, opts: OpsdOptions, plan: OpsdPlan) -> str:
     """The student's server: sampling length and the loss; then the teacher's server hosts
     the teacher (its base model, and the checkpoint when one is named)."""
-    from rlcli import endpoint
+    from rlcli.client import endpoint
     from rlcli.recipes import loss_guard, preflight
     from rlcli.recipes.rl import parse_loss_config
 
@@ -350,8 +350,8 @@ def hinted_prompts(spec: dict) -> dict[tuple[int, ...], list[int]]:
 
 
 def make_teacher_seam(spec: dict):
-    """The function ``compat.score_teachers_with`` applies to the recipe's teacher client."""
-    from rlcli import compat
+    """The function ``distill.score_teachers_with`` applies to the recipe's teacher client."""
+    from rlcli.compat import distill
 
     opts, plan = spec["options"], spec["plan"]
     hinted = hinted_prompts(spec) if opts["teacher_hint"] is not None else None
@@ -363,11 +363,11 @@ def make_teacher_seam(spec: dict):
         remote = service.create_sampling_client(
             base_model=plan["teacher_model"], model_path=plan["teacher_checkpoint"]
         ).result()
-    teachers: dict[int, compat.Teacher] = {}
+    teachers: dict[int, distill.Teacher] = {}
 
     def teacher_for(client):
         if id(client) not in teachers:
-            teachers[id(client)] = compat.Teacher(remote or client, hinted)
+            teachers[id(client)] = distill.Teacher(remote or client, hinted)
         return teachers[id(client)]
 
     return teacher_for
@@ -379,11 +379,11 @@ def run_in_child(spec: dict) -> dict:
     from tinker_cookbook import checkpoint_utils
     from tinker_cookbook.distillation import train_on_policy
 
-    from rlcli import compat
+    from rlcli.compat import distill
     from rlcli.recipes.rl import seed_sampling
 
     config = cookbook_config(spec)
-    compat.score_teachers_with(make_teacher_seam(spec))
+    distill.score_teachers_with(make_teacher_seam(spec))
     seed_sampling(spec["options"]["seed"])
     asyncio.run(train_on_policy.main(config))
     last = checkpoint_utils.get_last_checkpoint(config.log_path)

@@ -25,7 +25,7 @@ _PATH_PREFIXES = ("/", "./", "../", "~")
 
 def check_model_arg(model: str) -> None:
     """A local model folder must exist and hold a model; a ``.gguf`` file passes (it is
-    converted into a folder, see ``models.local_model``); hub ids pass (the server decides)."""
+    converted into a folder, see ``gguf.local_model``); hub ids pass (the server decides)."""
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -59,7 +59,7 @@ def renderer_names() -> tuple[str, ...]:
     branches and whatever was registered (tests/test_options.py guards the parse)."""
     from tinker_cookbook import renderers
 
-    from rlcli.renderers import register
+    from rlcli.compat.renderers import register
 
     register()  # rlcli's chat_template
     source = inspect.getsource(renderers.get_renderer)
@@ -82,7 +82,7 @@ class Server:
     """What a server says about itself (``get_server_capabilities``), read once."""
 
     def __init__(self, base_url: str) -> None:
-        from rlcli import endpoint
+        from rlcli.client import endpoint
 
         self.base_url = base_url.rstrip("/")
         self.caps = endpoint.get_json(self.base_url, "/api/v1/get_server_capabilities")
@@ -134,7 +134,7 @@ class Server:
         holds (our server lists a run's checkpoints; elsewhere the recipe finds out)."""
         if not path or self.backend != "torch":
             return
-        from rlcli import endpoint
+        from rlcli.client import endpoint
 
         run_id, _, name = path.removeprefix("tinker://").partition("/")
         try:

@@ -2,7 +2,7 @@
 
 The cookbook's own distillation builders download their prompts from the hub; this one reads
 rlcli's prompts file (``data/prompts.py``), shuffled by the run's seed, and keeps each
-prompt's own context turns (``compat.prompts_dataset``).
+prompt's own context turns (``distill.prompts_dataset``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tinker_cookbook import renderers
 from tinker_cookbook.rl.types import RLDatasetBuilder
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
-from rlcli.compat import prompts_dataset
+from rlcli.compat.distill import prompts_dataset
 
 
 @chz.chz

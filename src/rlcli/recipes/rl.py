@@ -26,7 +26,7 @@ from rlcli.recipes.options import (
     retune,
     saved,
 )
-from rlcli.recipes.runner import default_run_dir, metric_values
+from rlcli.runs.runner import default_run_dir, metric_values
 
 GSM8K_TRAIN_ROWS = 7473  # the hub's openai/gsm8k "main" train split
 GSM8K_TEST_ROWS = 1319
@@ -127,7 +127,7 @@ def run_dir_of(opts: RLOptions) -> Path:
 def prepare(opts: RLOptions, stdin=None, dry_run: bool = False) -> tuple[RLPlan, None]:
     """Check flags, model, renderer and data, and count the steps; no server, no writes."""
     from rlcli import envs
-    from rlcli.compat import resolve_renderer
+    from rlcli.compat.renderer_choice import resolve_renderer
 
     config = check_policy_flags(opts)
     reward = None
@@ -304,7 +304,7 @@ def seed_sampling(seed: int) -> None:
 
     import tinker
 
-    from rlcli.compat import bounded_seed
+    from rlcli.compat.skyrl_client import bounded_seed
 
     original = tinker.SamplingClient.sample_async
     seen: Counter = Counter()

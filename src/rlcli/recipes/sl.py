@@ -19,7 +19,7 @@ from pathlib import Path
 from rlcli.data.chat import read_conversations, stdin_text
 from rlcli.errors import RlcliError
 from rlcli.recipes.options import TrainOptions, option, resume_command, retune, saved
-from rlcli.recipes.runner import default_run_dir, metric_values
+from rlcli.runs.runner import default_run_dir, metric_values
 
 DATASET_FILE = "dataset.jsonl"
 SCHEDULES = ("constant", "linear", "cosine")  # the cookbook's LRSchedule
@@ -130,7 +130,7 @@ def _same_rows(path: Path, conversations: list[dict]) -> bool:
 
 def prepare(opts: SLOptions, stdin=None, dry_run: bool = False) -> tuple[SLPlan, list[dict]]:
     """Validate the model, renderer and data, count what will be trained; writes nothing."""
-    from rlcli.compat import resolve_renderer
+    from rlcli.compat.renderer_choice import resolve_renderer
     from rlcli.recipes.preflight import check_model_arg, check_renderer
 
     check_model_arg(opts.model)
@@ -242,7 +242,7 @@ def cookbook_config(spec: dict):
         renderer_name=plan["renderer"],
         dataset_builder=builder,
         learning_rate=opts["lr"],
-        lr_schedule=opts["lr_schedule"],  # after warmup: compat.install_lr_warmup
+        lr_schedule=opts["lr_schedule"],  # after warmup: run_hooks.install_lr_warmup
         num_epochs=opts["epochs"],
         lora_rank=opts["lora_rank"],
         base_url=opts["base_url"],
@@ -264,7 +264,7 @@ def run_in_child(spec: dict) -> dict:
     from tinker_cookbook.supervised import train
     from tinker_cookbook.supervised.nll_evaluator import NLLEvaluator
 
-    from rlcli.compat import install_lr_warmup
+    from rlcli.compat.run_hooks import install_lr_warmup
 
     config = cookbook_config(spec)
     install_lr_warmup(spec["options"]["warmup_steps"])

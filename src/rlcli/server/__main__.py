@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from rlcli.models import resolve_model_name
+    from rlcli.models.names import resolve_model_name
     from rlcli.server.app import create_app
     from rlcli.server.state import Settings
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlcli.models import end_of_turn_id
+from rlcli.models.tokenizer import end_of_turn_id
 from rlcli.server import attention, checkpoints, finite, logprobs, losses, precision
 from rlcli.server.errors import UserError
 from rlcli.server.samplers import SamplerCache

@@ -4,8 +4,8 @@ are drawn.
 
 The chat template is the tokenizer's own (``apply_chat_template`` with the generation prompt),
 loaded from the same base model the engine loads. ``rlcli sample``/``chat`` render with the
-cookbook renderer ``train`` uses (``compat.resolve_renderer``); where that renderer's tokens
-differ from the template's on a probe conversation (SmolLM2's template adds a default system
+cookbook renderer ``train`` uses (``renderer_choice.resolve_renderer``); where that renderer's
+tokens differ from the template's on a probe conversation (SmolLM2's template adds a default system
 message, the renderer does not), ``/v1/models`` says so (``chat_template.agrees_with_rlcli``).
 """
 
@@ -66,7 +66,7 @@ def _compare_with_renderer(base_model: str, chat: ChatTokenizer) -> tuple[str | 
     try:
         from tinker_cookbook import renderers
 
-        from rlcli.compat import resolve_renderer
+        from rlcli.compat.renderer_choice import resolve_renderer
 
         name, _, tokenizer = resolve_renderer(base_model, None)
         renderer = renderers.get_renderer(name, tokenizer or chat.tokenizer)

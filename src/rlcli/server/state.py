@@ -220,7 +220,7 @@ class ServerState:
             self.sampling_sessions.popitem(last=False)
 
     def accepts_base_model(self, name: str) -> bool:
-        from rlcli.models import resolve_model_name
+        from rlcli.models.names import resolve_model_name
 
         return name == self.settings.base_model or resolve_model_name(name) == (
             self.settings.base_model

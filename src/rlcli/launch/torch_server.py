@@ -6,9 +6,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlcli.backends import process
 from rlcli.errors import RlcliError
-from rlcli.models import is_gguf_file, is_local_model, local_model, resolve_model_name
+from rlcli.launch import process
+from rlcli.models.gguf import local_model
+from rlcli.models.names import is_gguf_file, is_local_model, resolve_model_name
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Running a cookbook recipe as a child process: progress, stopping, and the run folder lock.
 
-The recipe (``python -m rlcli.recipes.child <run_dir>``) writes the cookbook's usual files into
+The recipe (``python -m rlcli.runs.child <run_dir>``) writes the cookbook's usual files into
 the run folder; its console output goes to ``console.log`` there. This side:
 
 - follows ``metrics.jsonl`` and ``rlcli_status.jsonl`` for progress (``progress.py``);
@@ -22,7 +22,7 @@ the run folder; its console output goes to ``console.log`` there. This side:
   the exit code; ``rlcli runs`` reads it (a record still saying running while the lock is free
   is a run killed hard). Folders outside ``$RLCLI_HOME/runs`` are listed in its ``index.txt``;
 - ``rlcli runs cancel`` writes ``rlcli_cancel`` (this process's pid) into the folder; the child
-  checks it at each step boundary (``compat.install_cancel_hook``), saves a checkpoint and exits
+  checks it at each step boundary (``run_hooks.install_cancel_hook``), saves a checkpoint and exits
   with ``CANCELLED_EXIT``; the run is recorded as cancelled.
 """
 
@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 
 from rlcli.errors import Cancelled, RlcliError
-from rlcli.recipes.progress import STATUS, Follower, StepLine, read_rows
+from rlcli.runs.progress import STATUS, Follower, StepLine, read_rows
 
 __all__ = ["StepLine", "run_recipe", "lock_run_dir", "write_spec"]
 
@@ -166,7 +166,7 @@ class _HealthWatch(threading.Thread):
 
     def check(self) -> str | None:
         """None while the server is fine (or still loading its model); else what is wrong."""
-        from rlcli import endpoint
+        from rlcli.client import endpoint
 
         try:
             response = httpx.get(self.url, headers=endpoint.headers(), timeout=HEALTH_TIMEOUT_S)
@@ -241,7 +241,7 @@ def run_recipe(
         follower = Follower(run_dir, total_steps, show, report, tokens_key)
         with (run_dir / CONSOLE).open("a") as console:
             child = subprocess.Popen(
-                [sys.executable, "-m", "rlcli.recipes.child", str(run_dir)],
+                [sys.executable, "-m", "rlcli.runs.child", str(run_dir)],
                 stdout=console,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -348,7 +348,7 @@ def read_record(run_dir: Path) -> dict | None:
 
 def start_record(run_dir: Path, spec: dict, total_steps: int, base_url: str | None) -> dict:
     """Record the run as running by this process, and list its folder in the run index."""
-    from rlcli.backends.process import start_ticks
+    from rlcli.launch.process import start_ticks
 
     run_dir = Path(run_dir).resolve()
     options = spec.get("options") or {}

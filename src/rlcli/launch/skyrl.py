@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlcli.backends import process
 from rlcli.errors import RlcliError
+from rlcli.launch import process
 
 SKYRL_VERSION = "0.4.0"
 BACKENDS = ("jax", "fsdp", "megatron")

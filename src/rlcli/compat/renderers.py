@@ -6,12 +6,12 @@ A cookbook renderer writes a conversation its own way; a model is served (transf
 trained through the renderer is asked in production in a form it was not trained on.
 ``TemplateRenderer`` renders through ``tokenizer.apply_chat_template`` itself, so its tokens are
 the template's; ``compare`` says whether a cookbook renderer reproduces the template token for
-token on a few probe conversations, and ``compat.resolve_renderer`` uses it to choose.
+token on a few probe conversations, and ``renderer_choice.resolve_renderer`` uses it to choose.
 
 Weights: an assistant message's tokens are those between the template's generation prompt for
 the conversation before it and the end of its own end-of-turn token (what sampling produces);
 every other token has weight 0. The stop sequence is the token the template ends an assistant
-turn with (``models.end_of_turn_id``), else the tokenizer's eos.
+turn with (``tokenizer.end_of_turn_id``), else the tokenizer's eos.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class TemplateRenderer(Renderer):
         super().__init__(tokenizer)
         if not getattr(tokenizer, "chat_template", None):
             raise RendererError(f"{NAME}: the tokenizer has no chat template")
-        from rlcli.models import end_of_turn_id
+        from rlcli.models.tokenizer import end_of_turn_id
 
         stop = end_of_turn_id(tokenizer)
         if stop is None:
@@ -184,7 +184,7 @@ def compare(name: str, tokenizer) -> str | None:
     words."""
     from tinker_cookbook import renderers
 
-    from rlcli.models import end_of_turn_id
+    from rlcli.models.tokenizer import end_of_turn_id
 
     register()
     stop = end_of_turn_id(tokenizer)

@@ -16,7 +16,7 @@ import httpx
 from rlcli.errors import RlcliError
 
 DEFAULT_URL = "http://localhost:8000"
-DEFAULT_API_KEY = "tml-dummy"  # = compat.DEFAULT_API_KEY (not imported: that loads tinker)
+DEFAULT_API_KEY = "tml-dummy"  # = pins.DEFAULT_API_KEY (not imported: that loads tinker)
 LOADING = "loading the base model"  # what our server's healthz says while it loads
 
 
@@ -35,8 +35,8 @@ def resolve_base_url(flag: str | None) -> tuple[str, str]:
         return flag.rstrip("/"), "--base-url"
     if os.environ.get("TINKER_BASE_URL"):
         return os.environ["TINKER_BASE_URL"].rstrip("/"), "$TINKER_BASE_URL"
-    from rlcli.backends import process
     from rlcli.home import rlcli_home
+    from rlcli.launch import process
 
     record, _ = process.live_record(rlcli_home())
     if record is not None:

@@ -145,13 +145,14 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
     what was resolved (server, renderer)."""
     import asyncio
 
-    from rlcli import endpoint, envs, talk
+    from rlcli import envs
+    from rlcli.client import endpoint, sample_chat
 
     say = info or (lambda line: None)
     if opts.compare and not opts.checkpoint:
         raise RlcliError("--compare: pass --checkpoint tinker://RUN/sampler_weights/NAME too")
     if opts.checkpoint:
-        talk.split_tinker_path(opts.checkpoint)  # the form, before anything else
+        sample_chat.split_tinker_path(opts.checkpoint)  # the form, before anything else
     if opts.model:
         from rlcli.recipes.preflight import check_model_arg
 
@@ -168,7 +169,7 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
     if len(problems) < opts.tasks != _TASKS_DEFAULT:  # asked for more than there is
         say(f"--tasks {opts.tasks}: {opts.env} has {len(problems)} test tasks; scoring all of them")
     url, source = endpoint.resolve_base_url(opts.base_url)
-    target = talk.resolve_target(url, source, opts.model, opts.checkpoint)
+    target = sample_chat.resolve_target(url, source, opts.model, opts.checkpoint)
     context = _check_max_tokens(url, opts.max_new_tokens)
     say(endpoint.describe(url, source))
     renderer, renderer_name, why = _renderer(target.base_model, opts.renderer)
@@ -230,7 +231,7 @@ def _check_max_tokens(url: str, max_tokens: int) -> int | None:
 def _renderer(model: str, requested: str | None):
     from tinker_cookbook import renderers
 
-    from rlcli.compat import resolve_renderer
+    from rlcli.compat.renderer_choice import resolve_renderer
     from rlcli.recipes.preflight import check_renderer
 
     check_renderer(requested)
@@ -292,10 +293,11 @@ async def _score(
     from tinker import types
     from tinker_cookbook.renderers import get_text_content
 
-    from rlcli import compat, endpoint, talk
+    from rlcli.client import endpoint, sample_chat
+    from rlcli.compat import skyrl_client
 
-    side = talk.Target(target.base_url, target.base_model, checkpoint)
-    compat.accept_unnumbered_samples()  # a SkyRL server answers samples the 0.25 way
+    side = sample_chat.Target(target.base_url, target.base_model, checkpoint)
+    skyrl_client.accept_unnumbered_samples()  # a SkyRL server answers samples the 0.25 way
     service = tinker.ServiceClient(base_url=target.base_url, api_key=endpoint.api_key())
     try:
         if checkpoint:
@@ -321,7 +323,7 @@ async def _score(
             except RlcliError:
                 raise
             except (tinker.APIStatusError, tinker.APIConnectionError) as e:
-                raise RlcliError(f"task {task.id}: {talk.sample_error(side, e)}") from None
+                raise RlcliError(f"task {task.id}: {sample_chat.sample_error(side, e)}") from None
             except Exception as e:
                 raise RlcliError(f"task {task.id}: the episode failed: {e}") from None
         done += 1
@@ -349,7 +351,7 @@ async def _score(
             try:
                 response = await client.sample_async(task.prompt, 1, params)
             except Exception as e:
-                error = talk.sample_error(side, e)
+                error = sample_chat.sample_error(side, e)
                 raise RlcliError(f"task {task.id}: {error}") from None
         tokens = list(response.sequences[0].tokens)
         step = await task.env.step(tokens)

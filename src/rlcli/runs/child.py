@@ -1,4 +1,4 @@
-"""``python -m rlcli.recipes.child RUN_DIR``: run the recipe a spec describes (see runner.py).
+"""``python -m rlcli.runs.child RUN_DIR``: run the recipe a spec describes (see runner.py).
 
 First it ties its life to the ``rlcli`` process that started it: the kernel kills it when that
 process dies (``PR_SET_PDEATHSIG``, checked against ``getppid`` right after, in case the parent
@@ -19,13 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-from rlcli.recipes.progress import STATUS
-from rlcli.recipes.runner import CANCEL, CANCELLED_EXIT, PARENT_PID_ENV, SPEC, SUMMARY
+from rlcli.runs.progress import STATUS
+from rlcli.runs.runner import CANCEL, CANCELLED_EXIT, PARENT_PID_ENV, SPEC, SUMMARY
 
 
 def tie_to_parent() -> None:
     """Die with the parent ``rlcli`` (SIGKILL from the kernel); exit now if it is gone."""
-    from rlcli.backends.process import die_with_parent
+    from rlcli.launch.process import die_with_parent
 
     expected = os.environ.get(PARENT_PID_ENV)
     die_with_parent(signal.SIGKILL)
@@ -68,7 +68,7 @@ def main(run_dir: str) -> int:
     try:
         return _run(Path(run_dir))
     except Exception as e:  # the full traceback stays in console.log; the user gets one line
-        from rlcli.compat import RunCancelled
+        from rlcli.compat.run_hooks import RunCancelled
 
         if isinstance(e, RunCancelled):
             StatusFile(Path(run_dir))("cancelled", step=e.step)
@@ -90,7 +90,7 @@ def _run(folder: Path) -> int:
     status = StatusFile(folder)
     status("starting: loading the model's tokenizer and the data")
     spec = json.loads((folder / SPEC).read_text())
-    from rlcli import compat
+    from rlcli.compat import run_hooks, skyrl_client
 
     after = "writing the summary"
     if spec["recipe"] == "sl" and (spec.get("plan") or {}).get("held_out"):
@@ -105,14 +105,14 @@ def _run(folder: Path) -> int:
             return  # no summary follows a cancel
         status(after if phase == "recipe finished" else phase, **fields)
 
-    from rlcli import renderers
+    from rlcli.compat import renderers
 
     renderers.register()  # the model's own chat template, if the plan chose it
-    compat.install_cancel_hook(cancel_requested(folder), report)  # first: see run hooks
-    compat.install_run_hooks(report, seed=int((spec.get("options") or {}).get("seed") or 0))
-    compat.release_adapters_at_exit()  # SkyRL holds a LoRA slot per client until its timeout
-    compat.accept_unnumbered_samples()  # SkyRL answers samples the 0.25 way
-    compat.send_lora_alpha((spec.get("options") or {}).get("lora_alpha"))
+    run_hooks.install_cancel_hook(cancel_requested(folder), report)  # first: see run hooks
+    run_hooks.install_run_hooks(report, seed=int((spec.get("options") or {}).get("seed") or 0))
+    skyrl_client.release_adapters_at_exit()  # SkyRL holds a LoRA slot per client until its timeout
+    skyrl_client.accept_unnumbered_samples()  # SkyRL answers samples the 0.25 way
+    run_hooks.send_lora_alpha((spec.get("options") or {}).get("lora_alpha"))
     if spec["recipe"] == "sl":
         from rlcli.recipes import sl
 

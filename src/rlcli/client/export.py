@@ -32,9 +32,9 @@ from typing import Any
 
 import httpx
 
-from rlcli import endpoint
+from rlcli.client import endpoint
+from rlcli.client.sample_chat import split_tinker_path
 from rlcli.errors import RlcliError
-from rlcli.talk import split_tinker_path
 
 MANIFEST = "rlcli_export.json"  # where it came from: restore reads the tinker:// path here
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "checkpoint.json")
@@ -51,13 +51,13 @@ def from_run(run: str, with_optimizer: bool) -> str:
     """The last checkpoint a run folder recorded (``checkpoints.jsonl``): its sampler path, or
     its state path with ``with_optimizer``. ``run`` is any id ``rlcli runs`` takes (a run's
     name, a unique prefix of one, a run folder's path, a ``--log-path`` folder in the index)."""
-    from rlcli import runs
     from rlcli.home import rlcli_home
+    from rlcli.runs import catalog
 
     folder = Path(run).expanduser()  # any folder with a checkpoints.jsonl (the cookbook's too)
     if not folder.is_dir() or "/" not in run:
         try:
-            folder = runs.resolve(run)
+            folder = catalog.resolve(run)
         except RlcliError:
             folder = rlcli_home() / "runs" / run  # a folder there that rlcli did not start
             if not folder.is_dir():
@@ -265,7 +265,7 @@ def export_gguf(
 
     Written beside ``out`` under a hidden name and renamed at the end; ``--force`` replaces
     only a GGUF file (its magic bytes), nothing else."""
-    from rlcli.gguf_export import TYPES, write_gguf
+    from rlcli.client.gguf_export import TYPES, write_gguf
 
     check_source(path, False)
     if gguf_type not in TYPES:

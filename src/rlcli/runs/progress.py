@@ -2,9 +2,9 @@
 
 Steps come from the cookbook's ``metrics.jsonl``; the phases in between (starting, sampling
 rollouts k/N, saving a checkpoint, the held-out loss) from ``rlcli_status.jsonl``, to which the
-child process appends one line per event (``child.py`` and the hooks in ``compat.py``): a log,
-not a snapshot, so a phase shorter than one poll is still shown. On a terminal
-this is a Rich bar; otherwise (logs, CI, pipes) plain lines.
+child process appends one line per event (``child.py`` and the hooks in
+``compat/run_hooks.py``): a log, not a snapshot, so a phase shorter than one poll is still
+shown. On a terminal this is a Rich bar; otherwise (logs, CI, pipes) plain lines.
 
 Rates are measured between polls, never between rows read in the same poll (they share one
 timestamp, which once gave ``1676397 tok/s eta 0s``), and only once a few seconds have passed.

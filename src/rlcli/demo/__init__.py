@@ -1,0 +1,1 @@
+"""The demo (``rlcli demo``): SmolLM2 before and after SFT + RL on its own server."""

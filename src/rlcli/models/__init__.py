@@ -1,0 +1,2 @@
+"""Base models: names (hub id, folder, .gguf), GGUF conversion, tokenizer repairs, the tiny
+offline model."""
