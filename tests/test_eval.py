@@ -86,7 +86,7 @@ def test_compare_shows_an_sft_checkpoint_ahead_of_its_base_model(tmp_path, serve
         {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "7"}]}
         for q in questions
     ]
-    sft = run_rlcli(
+    sft = cli(
         "train", "sl", "--dataset", str(write_jsonl(tmp_path / "sft.jsonl", chats)),
         "--model", str(tiny_model), "--base-url", server.base_url, "--batch-size", "8",
         "--epochs", "25", "--lr", "1e-2", "--lora-rank", "8", "--save-every", "0",

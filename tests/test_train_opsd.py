@@ -216,10 +216,10 @@ def zebra(server, tiny_model, tmp_path_factory) -> dict:
                       {"role": "assistant", "content": "zebra zebra zebra zebra"}]}
         for i in range(8)
     ]  # fmt: skip
-    sft = run_rlcli("train", "sl", "--dataset", str(write_jsonl(folder / "sft.jsonl", chats)),
-                    "--model", str(tiny_model), "--base-url", server.base_url, "--batch-size",
-                    "8", "--epochs", "30", "--lr", "1e-2", "--lora-rank", "8", "--save-every",
-                    "0", "--log-path", str(folder / "sft"), "--json")  # fmt: skip
+    sft = cli("train", "sl", "--dataset", str(write_jsonl(folder / "sft.jsonl", chats)),
+              "--model", str(tiny_model), "--base-url", server.base_url, "--batch-size",
+              "8", "--epochs", "30", "--lr", "1e-2", "--lora-rank", "8", "--save-every",
+              "0", "--log-path", str(folder / "sft"), "--json")  # fmt: skip
     assert sft.returncode == 0, sft.stderr[-3000:]
     return json.loads(sft.stdout)
 
@@ -242,8 +242,8 @@ def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(
     assert [r["step"] for r in rows] == [0, 1] and all("teacher_kl" in r for r in rows)
     # {"messages"} with context, taught by a checkpoint that SFT taught one fixed answer
     messages = write_jsonl(tmp_path / "messages.jsonl", MESSAGES)
-    second = run_rlcli(*small(server.base_url, tiny_model, messages, tmp_path / "b",
-                              "--teacher", zebra["sampler_path"]))  # fmt: skip
+    second = cli(*small(server.base_url, tiny_model, messages, tmp_path / "b",
+                        "--teacher", zebra["sampler_path"]))  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]
     taught = json.loads(second.stdout)
     assert taught["teacher"] == zebra["sampler_path"]
@@ -253,14 +253,14 @@ def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(
     # a teacher checkpoint the server does not have, or a training (not sampler) checkpoint,
     # is one line before any work
     missing = zebra["sampler_path"].rsplit("/", 1)[0] + "/nope"
-    third = run_rlcli(*small(server.base_url, tiny_model, messages, tmp_path / "c",
-                             "--teacher", missing))  # fmt: skip
+    third = cli(*small(server.base_url, tiny_model, messages, tmp_path / "c",
+                       "--teacher", missing))  # fmt: skip
     assert third.returncode == 1 and "--teacher " + missing + ": no such checkpoint" in (
         third.stderr
     )
     assert not (tmp_path / "c").exists()
-    state = run_rlcli(*small(server.base_url, tiny_model, messages, tmp_path / "d",
-                             "--teacher", zebra["state_path"]))  # fmt: skip
+    state = cli(*small(server.base_url, tiny_model, messages, tmp_path / "d",
+                       "--teacher", zebra["state_path"]))  # fmt: skip
     assert state.returncode == 1 and "pass a sampler_weights/... path" in state.stderr
 
 
@@ -340,9 +340,9 @@ def test_a_teacher_on_a_second_server_and_a_base_model_a_server_lacks(
         assert f"the server at {teacher_server.base_url} (--teacher-base-url) hosts only" in (
             wrong.stderr
         )
-        result = run_rlcli(*small(server.base_url, tiny_model, data, tmp_path / "c",
-                                  "--teacher", str(other_model), "--steps", "1",
-                                  "--teacher-base-url", teacher_server.base_url))  # fmt: skip
+        result = cli(*small(server.base_url, tiny_model, data, tmp_path / "c",
+                            "--teacher", str(other_model), "--steps", "1",
+                            "--teacher-base-url", teacher_server.base_url))  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         assert json.loads(result.stdout)["first_teacher_kl"] is not None
         # the teacher's server served a sampling session (the teacher) and trained nothing
@@ -362,14 +362,14 @@ def test_a_teacher_on_a_second_server_and_a_base_model_a_server_lacks(
 def test_stdin_prompts_are_kept_and_a_run_resumes_from_its_config(tmp_path, server, tiny_model):
     log = tmp_path / "run"
     stdin = "".join(json.dumps(r) + "\n" for r in PROMPTS[:2] + MESSAGES[:2])
-    first = run_rlcli(*small(server.base_url, tiny_model, "-", log, "--steps", "1",
-                             "--save-every", "1"), stdin=stdin)  # fmt: skip
+    first = cli(*small(server.base_url, tiny_model, "-", log, "--steps", "1",
+                       "--save-every", "1"), stdin=stdin)  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     kept = log / "prompts.jsonl"
     assert read_prompts(kept.open(), str(kept)) == read_prompts(stdin.splitlines(), "stdin")
     assert not list(log.glob(".prompts*"))
-    second = run_rlcli("train", "opsd", "--config", str(log / "config.yaml"), "--log-path",
-                       str(log), "--steps", "2", "--json", stdin="")  # fmt: skip
+    second = cli("train", "opsd", "--config", str(log / "config.yaml"), "--log-path",
+                 str(log), "--steps", "2", "--json", stdin="")  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming in" in second.stderr and "step 2/2" in second.stderr
     steps = [json.loads(line)["step"] for line in (log / "metrics.jsonl").open()]
@@ -382,9 +382,9 @@ def test_opsd_moves_a_student_toward_its_teacher(tmp_path, server, tiny_model, z
     prompts, so each step's KL is measured on prompts the student has not been trained on."""
     prompts = [{"prompt": f"Question {100 + i}: tell me something."} for i in range(20)]
     data = write_jsonl(tmp_path / "p.jsonl", prompts)
-    result = run_rlcli(*small(server.base_url, tiny_model, data, tmp_path / "run",
-                              "--batch-size", "4", "--group-size", "4", "--lr", "3e-3",
-                              "--init-checkpoint", zebra["state_path"]))  # fmt: skip
+    result = cli(*small(server.base_url, tiny_model, data, tmp_path / "run",
+                        "--batch-size", "4", "--group-size", "4", "--lr", "3e-3",
+                        "--init-checkpoint", zebra["state_path"]))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     kl = [json.loads(line)["teacher_kl"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
     print("teacher_kl per step:", kl)

@@ -19,8 +19,8 @@ from conftest import GSM8K, LowTokensBuilder, cli, run_rlcli
 DEAD_URL = "http://127.0.0.1:9"
 
 
-run = run_rlcli  # a process of its own: whatever trains
-quick = cli  # in this process: refusals, plans and `runs` (conftest.cli)
+run = run_rlcli  # a process of its own: the smoke test, an env read at import
+quick = cli  # in this process (conftest.cli): refusals, plans, `runs`, runs that end by themselves
 
 
 def small(server, tiny_model, log_path, *extra) -> tuple[str, ...]:
@@ -51,9 +51,9 @@ def test_two_steps_with_a_named_loss_write_metrics_and_checkpoints(tmp_path, ser
 
 def test_a_finished_run_resumes_and_continues(tmp_path, server, tiny_model):
     log = tmp_path / "run"
-    first = run(*small(server, tiny_model, log, "--max-steps", "2", "--save-every", "1"))
+    first = quick(*small(server, tiny_model, log, "--max-steps", "2", "--save-every", "1"))
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run(*small(server, tiny_model, log, "--max-steps", "3", "--save-every", "1"))
+    second = quick(*small(server, tiny_model, log, "--max-steps", "3", "--save-every", "1"))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming in" in second.stderr
     steps = [json.loads(line)["step"] for line in (log / "metrics.jsonl").open()]
@@ -170,7 +170,7 @@ def rollout_fingerprint(run_dir: Path) -> tuple[list[float], list[int]]:
 def test_seed_makes_data_order_and_sampling_reproducible(tmp_path, server, tiny_model):
     seen = {}
     for name, seed in (("a", "3"), ("b", "3"), ("c", "4")):
-        result = run(
+        result = quick(
             *small(server, tiny_model, tmp_path / name, "--max-steps", "1", "--seed", seed)
         )
         assert result.returncode == 0, result.stderr[-3000:]
@@ -181,7 +181,7 @@ def test_seed_makes_data_order_and_sampling_reproducible(tmp_path, server, tiny_
 
 def test_sft_checkpoint_kl_penalty_and_temperature_reach_the_recipe(tmp_path, server, tiny_model):
     examples = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
-    sft = run(
+    sft = quick(
         "train", "sl", "--dataset", str(examples / "conversations.jsonl"),
         "--model", str(tiny_model), "--base-url", server.base_url, "--batch-size", "8",
         "--max-steps", "1", "--log-path", str(tmp_path / "sft"), "--json",
@@ -197,7 +197,7 @@ def test_sft_checkpoint_kl_penalty_and_temperature_reach_the_recipe(tmp_path, se
         result.stderr
     )
     assert not run_dir.exists()
-    result = run(
+    result = quick(
         *base, "--init-checkpoint", state, "--kl-reference", sampler, "--temperature", "0.7"
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -239,7 +239,9 @@ def tiny_rl(server, tiny_model, log_path, dataset, *extra) -> tuple[str, ...]:
 
 
 def test_arithmetic_and_a_users_jsonl_train_end_to_end(tmp_path, server, tiny_model):
-    result = run(*tiny_rl(server, tiny_model, tmp_path / "arith", "arithmetic", "--max-steps", "2"))
+    result = quick(
+        *tiny_rl(server, tiny_model, tmp_path / "arith", "arithmetic", "--max-steps", "2")
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout)
     assert summary["state_path"].startswith("tinker://") and summary["first_reward"] is not None
@@ -259,7 +261,7 @@ def test_arithmetic_and_a_users_jsonl_train_end_to_end(tmp_path, server, tiny_mo
     data.write_text(
         "".join(json.dumps({"question": f"{i} + 1?", "answer": i + 1}) + "\n" for i in range(4))
     )
-    result = run(*tiny_rl(server, tiny_model, tmp_path / "own", str(data), "--max-steps", "1"))
+    result = quick(*tiny_rl(server, tiny_model, tmp_path / "own", str(data), "--max-steps", "1"))
     assert result.returncode == 0, result.stderr[-3000:]
     saved = (tmp_path / "own" / "config.yaml").read_text()
     assert f"dataset: {data.resolve()}" in saved  # the run's --config trains on the same file
@@ -351,7 +353,7 @@ def test_a_reward_function_of_the_users_is_learned(tmp_path, server, tiny_model)
     rows[3]["explode"] = True
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp_path / "run"
-    result = run(
+    result = quick(
         "train", "rl", "--model", str(tiny_model), "--base-url", server.base_url,
         "--dataset", str(data), "--reward", str(tmp_path / "rewards.py") + ":score",
         "--batch-size", "4", "--group-size", "16", "--max-tokens", "8", "--lr", "2e-2",

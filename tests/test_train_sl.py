@@ -23,8 +23,8 @@ def rlcli_argv(*args) -> list[str]:
     return [*RLCLI, *args]
 
 
-run = run_rlcli  # a process of its own: whatever trains
-quick = cli  # in this process: refusals, plans and `runs` (conftest.cli)
+run = run_rlcli  # a process of its own: the import pipe, signals, an env read at import
+quick = cli  # in this process (conftest.cli): refusals, plans, `runs`, runs that end by themselves
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_import_pipe_into_train_sl_learns_and_checkpoints(
     import openai
 
     question = "What is the capital of France?"
-    sampled = run(
+    sampled = quick(
         "sample", "-c", summary["sampler_path"], "-p", question, "--temperature", "0",
         "--max-tokens", "24", "--json", "--base-url", server.base_url,
     )  # fmt: skip
@@ -117,7 +117,7 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, server, tiny
     done_before = len(metrics.read_text().splitlines())
     assert 8 <= done_before < 64
 
-    second = run(*args, "--json")
+    second = quick(*args, "--json")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming in" in second.stderr
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
@@ -216,7 +216,7 @@ def metric(run_dir: Path, key: str) -> list[float]:
 
 def test_config_yaml_reproduces_the_run(tmp_path, server, tiny_model, chat_file):
     first, again = tmp_path / "first", tmp_path / "again"
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
         "--base-url", server.base_url, "--log-path", str(first), "--batch-size", "4",
         "--learning-rate", "2e-3", "--lora-rank", "8", "--max-steps", "3", "--json",
@@ -225,7 +225,7 @@ def test_config_yaml_reproduces_the_run(tmp_path, server, tiny_model, chat_file)
     config = (first / "config.yaml").read_text()
     assert "lr: 0.002" in config and "lora_rank: 8" in config and "max_steps: 3" in config
     assert (first / "config.json").exists()  # the cookbook's own record, untouched
-    result = run("train", "sl", "--config", str(first / "config.yaml"), "--log-path", str(again))
+    result = quick("train", "sl", "--config", str(first / "config.yaml"), "--log-path", str(again))
     assert result.returncode == 0, result.stderr[-3000:]
     body = [ln for ln in config.splitlines() if not ln.startswith("#")]
     assert [
@@ -286,7 +286,7 @@ def test_server_refusals_come_before_the_run_folder(tmp_path, server, tiny_model
 def test_wandb_offline_run_keeps_metrics_jsonl(tmp_path, server, tiny_model, chat_file):
     run_dir = tmp_path / "run"
     env = {"WANDB_MODE": "offline", "WANDB_API_KEY": "", "WANDB_DIR": str(tmp_path)}
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
         "--base-url", server.base_url, "--log-path", str(run_dir), "--batch-size", "8",
         "--max-steps", "2", "--wandb-project", "rlcli-test", "--wandb-name", "offline-sl",
@@ -346,7 +346,7 @@ def test_schedule_warmup_eval_every_and_train_on_reach_a_parquet_run(
     datasets.Dataset.from_list(rows[:20]).to_parquet(str(folder / "part-0.parquet"))
     datasets.Dataset.from_list(rows[20:]).to_parquet(str(folder / "part-1.parquet"))
     run_dir = tmp_path / "run"
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(folder), "--model", str(tiny_model),
         "--base-url", server.base_url, "--log-path", str(run_dir), "--batch-size", "8",
         "--test-size", "0.2", "--eval-every", "2", "--lr", "1e-3", "--lr-schedule", "cosine",
@@ -446,7 +446,7 @@ def test_lora_alpha_reaches_the_adapter_and_survives_a_resume(
         "--save-every", "1", "--lora-rank", "8", "--lora-alpha", "64", "--json",
     )  # fmt: skip
     for steps in ("2", "3"):  # the second run resumes from the first's checkpoint
-        result = run(*args, "--max-steps", steps)
+        result = quick(*args, "--max-steps", steps)
         assert result.returncode == 0, result.stderr[-3000:]
         run_id = json.loads(result.stdout)["state_path"].split("/")[2]
         assert json.loads((root / run_id / "run.json").read_text())["lora"]["alpha"] == 64
