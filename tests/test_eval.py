@@ -77,6 +77,7 @@ def test_each_environment_is_stable_for_a_seed(tmp_path, server, tiny_model, env
     json.dumps(first)  # JSON-able as it is
 
 
+@pytest.mark.slow
 def test_compare_shows_an_sft_checkpoint_ahead_of_its_base_model(tmp_path, server, tiny_model):
     """SFT teaches one answer ("7") to a set of questions; the same questions as a JSONL
     environment: the checkpoint passes where the base model does not."""

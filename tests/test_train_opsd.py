@@ -224,6 +224,7 @@ def zebra(server, tiny_model, tmp_path_factory) -> dict:
     return json.loads(sft.stdout)
 
 
+@pytest.mark.slow
 def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(
     tmp_path, server, tiny_model, zebra
 ):
@@ -376,6 +377,7 @@ def test_stdin_prompts_are_kept_and_a_run_resumes_from_its_config(tmp_path, serv
     assert steps == [0, 1]  # step 1 only: step 0 was not redone
 
 
+@pytest.mark.slow
 def test_opsd_moves_a_student_toward_its_teacher(tmp_path, server, tiny_model, zebra):
     """A student that SFT taught one fixed answer, distilled toward its base model (the
     default teacher): the reverse KL to the teacher falls, at every step. One pass over the

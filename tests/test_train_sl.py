@@ -49,6 +49,7 @@ def chat_file(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_import_pipe_into_train_sl_learns_and_checkpoints(
     tmp_path, server, tiny_model, openai_dump
 ):
