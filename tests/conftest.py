@@ -99,6 +99,35 @@ def run_rlcli(
     )
 
 
+def cli(*args, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``rlcli ARGS`` in this process: ``rlcli.cli.main.main`` (the console script's entry
+    point, so errors are its one ``error:`` line and exit code) inside typer's CliRunner
+    isolation (stdin, stdout, stderr and ``env`` swapped in for the call). For refusals, plans
+    and quick commands; a subprocess costs an interpreter start, about 2 s on CI. Same result
+    shape as ``run_rlcli``. Anything that signals, detaches or outlives the call runs as a
+    subprocess (``run_rlcli``); each command keeps at least one subprocess smoke test."""
+    from typer.testing import CliRunner
+
+    from rlcli.cli.main import main
+
+    argv, code = sys.argv, 0
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    with CliRunner().isolation(input=stdin, env=env) as (out, err, _):
+        sys.argv = ["rlcli", *map(str, args)]
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            sys.argv = argv
+            for signum, handler in handlers.items():  # a command's own (eval sets some)
+                signal.signal(signum, handler)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    return subprocess.CompletedProcess(["rlcli", *args], code, stdout, stderr)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from rlcli.models.tiny import build_tiny_model
@@ -123,12 +152,43 @@ def start_server(home: Path, model: Path, **options):
     return record
 
 
+# ---- shared servers: a start costs seconds; a test starts its own only to stop, kill,
+# restart or misconfigure it (or for another model or dtype) --------------------------------
+
+
 @pytest.fixture(scope="session")
-def server(tmp_path_factory, tiny_model):
-    """One server for the whole session (a start costs seconds); tests use their own clients."""
+def server_home(tmp_path_factory) -> Path:
+    """The session server's $RLCLI_HOME (its server.json: "the server running here")."""
+    return tmp_path_factory.mktemp("server-home")
+
+
+@pytest.fixture(scope="session")
+def server(server_home, tiny_model):
+    """One server for the whole session; tests use their own clients."""
     from rlcli.launch import process
 
-    home = tmp_path_factory.mktemp("server-home")
+    record = start_server(server_home, tiny_model)
+    yield record
+    process.stop(server_home)
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tmp_path_factory, tiny_model):
+    """(home, record) of a server started with --api-key tml-secret."""
+    from rlcli.launch import process
+
+    home = tmp_path_factory.mktemp("keyed-home")
+    record = start_server(home, tiny_model, api_key="tml-secret")
+    yield home, record
+    process.stop(home)
+
+
+@pytest.fixture(scope="session")
+def second_server(tmp_path_factory, tiny_model):
+    """Another plain server of the tiny model: somewhere else to restore to or train on."""
+    from rlcli.launch import process
+
+    home = tmp_path_factory.mktemp("second-home")
     record = start_server(home, tiny_model)
     yield record
     process.stop(home)

@@ -125,18 +125,13 @@ def test_base_model_not_served_is_refused(server, service, trainer):
     _assert_still_serves(server, trainer)
 
 
-def test_api_key_is_enforced_when_set(tmp_path, tiny_model):
-    from conftest import start_server
-
-    record = start_server(tmp_path, tiny_model, api_key="tml-secret")
-    try:
-        wrong = tinker.ServiceClient(base_url=record.base_url, api_key="tml-wrong")
-        with pytest.raises(tinker.PermissionDeniedError, match="X-API-Key: wrong"):
-            wrong.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
-        missing = httpx.post(record.base_url + "/api/v1/create_session", json={}, timeout=10)
-        assert missing.status_code == 401 and "missing" in missing.json()["detail"]
-        good = tinker.ServiceClient(base_url=record.base_url, api_key="tml-secret")
-        trainer = good.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
-        assert trainer.forward([_datum()], "cross_entropy").result().metrics["loss:sum"] > 0
-    finally:
-        process.stop(tmp_path)
+def test_api_key_is_enforced_when_set(keyed_server, tiny_model):
+    _, record = keyed_server
+    wrong = tinker.ServiceClient(base_url=record.base_url, api_key="tml-wrong")
+    with pytest.raises(tinker.PermissionDeniedError, match="X-API-Key: wrong"):
+        wrong.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    missing = httpx.post(record.base_url + "/api/v1/create_session", json={}, timeout=10)
+    assert missing.status_code == 401 and "missing" in missing.json()["detail"]
+    good = tinker.ServiceClient(base_url=record.base_url, api_key="tml-secret")
+    trainer = good.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    assert trainer.forward([_datum()], "cross_entropy").result().metrics["loss:sum"] > 0

@@ -63,12 +63,17 @@ def test_api_key_prefix_is_what_the_client_enforces():
         ApiKeyAuthProvider(api_key="sk-not-tinker")
 
 
-def test_renderer_fallback_for_models_outside_the_cookbook_tables(tmp_path):
+def test_renderer_fallback_for_models_outside_the_cookbook_tables(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
     from rlcli.models.tiny import build_tiny_model
 
     name, why, tokenizer = renderer_choice.resolve_renderer(str(build_tiny_model(tmp_path)), None)
     assert name == "qwen3_instruct" and tokenizer is not None
     assert why == "ChatML chat template; matches the model's chat template exactly"
+    # A hub id whose tokenizer cannot be had: offline at once, not after the hub client's
+    # retries without a network (~50 s), nor a download where there is one.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     name, why, _ = renderer_choice.resolve_renderer("Qwen/Qwen3-8B", None)
     assert name.startswith("qwen3") and why.startswith("recommended for the model")
 

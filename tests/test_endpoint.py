@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import GSM8K, run_rlcli, start_server
+from conftest import GSM8K, cli, run_rlcli
 from rlcli.launch import process
 
 DEAD_URL = "http://127.0.0.1:9"
@@ -49,39 +49,27 @@ def test_passthrough_without_a_server_fails_fast_with_trains_line(tmp_path):
     assert "rlcli serve start" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_passthrough_and_train_find_the_server_running_here(tmp_path, tiny_model):
-    home = tmp_path / "home"
-    record = start_server(home, tiny_model)
-    try:
-        env = {"RLCLI_HOME": str(home), "TINKER_BASE_URL": ""}
-        listed = run_rlcli("run", "list", "--json", env=env, timeout=120)
-        assert listed.returncode == 0, listed.stderr
-        chats = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
-        trained = run_rlcli(
-            "train", "sl", "--dataset", str(chats / "conversations.jsonl"),
-            "--model", str(tiny_model), "--max-steps", "1", "--batch-size", "4",
-            "--lora-rank", "4", "--log-path", str(tmp_path / "run"), env=env, timeout=300,
-        )  # fmt: skip
-        assert trained.returncode == 0, trained.stderr[-3000:]
-        said = f"server: {record.base_url} (the server running here, pid {record.pid})"
-        assert said in trained.stderr
-    finally:
-        process.stop(home)
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory, tiny_model):
-    """A server started with --api-key tml-secret."""
-    home = tmp_path_factory.mktemp("keyed-home")
-    record = start_server(home, tiny_model, api_key="tml-secret")
-    yield home, record
-    process.stop(home)
+def test_passthrough_and_train_find_the_server_running_here(
+    tmp_path, server, server_home, tiny_model
+):
+    env = {"RLCLI_HOME": str(server_home), "TINKER_BASE_URL": ""}  # the session server's home
+    listed = run_rlcli("run", "list", "--json", env=env, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    chats = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
+    trained = run_rlcli(
+        "train", "sl", "--dataset", str(chats / "conversations.jsonl"),
+        "--model", str(tiny_model), "--max-steps", "1", "--batch-size", "4",
+        "--lora-rank", "4", "--log-path", str(tmp_path / "run"), env=env, timeout=300,
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    said = f"server: {server.base_url} (the server running here, pid {server.pid})"
+    assert said in trained.stderr
 
 
 def test_status_and_passthrough_send_the_api_key(keyed_server):
     home, record = keyed_server
     right = {"RLCLI_HOME": str(home), "TINKER_API_KEY": "tml-secret", "TINKER_BASE_URL": ""}
-    status = run_rlcli("serve", "status", "--json", env=right)
+    status = cli("serve", "status", "--json", env=right)
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["device"] == "cpu"  # the keyed /rlcli/status answered
     listed = run_rlcli("run", "list", env=right, timeout=120)
@@ -131,7 +119,7 @@ def test_train_rl_against_a_keyed_server(keyed_server, tiny_model, tmp_path):
     # progress from the first second, sampling included: 2 problems x 2 rollouts
     assert right.stderr.index("starting") < right.stderr.index("sampling rollouts")
     assert re.search(r"^sampling rollouts [0-4]/4 \(step 1\)$", right.stderr, re.M), right.stderr
-    wrong = run_rlcli(*args, "--log-path", str(tmp_path / "no"), env={"TINKER_API_KEY": "tml-nope"})
+    wrong = cli(*args, "--log-path", str(tmp_path / "no"), env={"TINKER_API_KEY": "tml-nope"})
     assert wrong.returncode == 1
     errors = [ln for ln in wrong.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "refused the API key" in errors[0], wrong.stderr
@@ -139,7 +127,7 @@ def test_train_rl_against_a_keyed_server(keyed_server, tiny_model, tmp_path):
 
 
 def test_version():
-    result = run_rlcli("--version")
+    result = cli("--version")
     from importlib.metadata import version
 
     assert result.returncode == 0 and result.stdout.strip() == f"rlcli {version('rlcli')}"
@@ -155,7 +143,7 @@ def test_import_gguf_without_the_package_names_the_extra(tmp_path):
         "error: models import-gguf needs the gguf package, which is not installed: "
         "pip install 'rlcli[gguf]'"
     )
-    missing = run_rlcli("models", "import-gguf", str(tmp_path / "nope.gguf"), str(tmp_path / "o"))
+    missing = cli("models", "import-gguf", str(tmp_path / "nope.gguf"), str(tmp_path / "o"))
     assert missing.returncode == 1 and "no such GGUF file" in missing.stderr
     assert "Traceback" not in result.stderr + missing.stderr
 

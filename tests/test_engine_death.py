@@ -19,7 +19,7 @@ import pytest
 import tinker
 from tinker import types
 
-from conftest import run_rlcli, start_server
+from conftest import cli, start_server
 from rlcli.launch import process
 
 
@@ -83,7 +83,7 @@ def test_a_dead_engine_fails_every_request_fast_and_the_server_exits(tmp_path, t
     assert not process.pid_alive(record.pid), "the server should exit after the engine died"
     log = Path(record.log_path).read_text()
     assert "the engine process exited" in log
-    status = run_rlcli("serve", "status", "--json", env={"RLCLI_HOME": str(home)})
+    status = cli("serve", "status", "--json", env={"RLCLI_HOME": str(home)})
     assert status.returncode == 3
     report = json.loads(status.stdout)
     assert report["running"] is False and "engine process exited" in report["last_error"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GSM8K, run_rlcli
+from conftest import GSM8K, cli, run_rlcli
 
 DEAD_URL = "http://127.0.0.1:9"
 KEYS = {
@@ -36,7 +36,8 @@ def graded(result: dict) -> list[tuple]:
 
 
 def eval_cli(server, tiny_model, *extra):
-    return run_rlcli(
+    """`rlcli eval rl` in this process (conftest.cli); test_compare runs it as a process."""
+    return cli(
         "eval", "rl", "--model", str(tiny_model), "--base-url", server.base_url,
         "--max-new-tokens", "6", *extra,
     )  # fmt: skip
@@ -76,6 +77,7 @@ def test_each_environment_is_stable_for_a_seed(tmp_path, server, tiny_model, env
     json.dumps(first)  # JSON-able as it is
 
 
+@pytest.mark.slow
 def test_compare_shows_an_sft_checkpoint_ahead_of_its_base_model(tmp_path, server, tiny_model):
     """SFT teaches one answer ("7") to a set of questions; the same questions as a JSONL
     environment: the checkpoint passes where the base model does not."""
@@ -85,7 +87,7 @@ def test_compare_shows_an_sft_checkpoint_ahead_of_its_base_model(tmp_path, serve
         {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "7"}]}
         for q in questions
     ]
-    sft = run_rlcli(
+    sft = cli(
         "train", "sl", "--dataset", str(write_jsonl(tmp_path / "sft.jsonl", chats)),
         "--model", str(tiny_model), "--base-url", server.base_url, "--batch-size", "8",
         "--epochs", "25", "--lr", "1e-2", "--lora-rank", "8", "--save-every", "0",
@@ -123,7 +125,7 @@ def test_compare_shows_an_sft_checkpoint_ahead_of_its_base_model(tmp_path, serve
 
 def test_bad_input_is_one_line(tmp_path, server, tiny_model):
     def fails(*args, where: str) -> None:
-        result = run_rlcli("eval", "rl", *args)
+        result = cli("eval", "rl", *args)
         assert result.returncode == 1, result.stdout
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and where in lines[0], result.stderr

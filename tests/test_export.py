@@ -17,8 +17,7 @@ import tinker
 import torch
 from tinker import types
 
-from conftest import run_rlcli, start_server, train_zebra
-from rlcli.launch import process
+from conftest import cli, run_rlcli, train_zebra
 
 PROBE = "Hello there. zebra zebra zebra, and then some other words."
 
@@ -54,7 +53,7 @@ def test_exported_adapter_and_merged_model_reproduce_the_servers_logprobs(
     assert np.abs(_local_logprobs(base, ids) - expected).max() > 0.5  # the adapter matters
 
     adapter = tmp_path / "adapter"
-    out = run_rlcli(
+    out = cli(
         "export", "-c", zebra["sampler"], "-o", str(adapter), "--json",
         "--base-url", server.base_url,
     )  # fmt: skip
@@ -77,9 +76,7 @@ def test_exported_adapter_and_merged_model_reproduce_the_servers_logprobs(
     ]
     (run_dir / "checkpoints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     merged = tmp_path / "merged"
-    out = run_rlcli(
-        "export", str(run_dir), "-o", str(merged), "--merge", "--base-url", server.base_url
-    )
+    out = cli("export", str(run_dir), "-o", str(merged), "--merge", "--base-url", server.base_url)
     assert out.returncode == 0, out.stderr
     assert json.loads((merged / "rlcli_export.json").read_text())["source"] == zebra["sampler"]
     plain = AutoModelForCausalLM.from_pretrained(str(merged)).eval()  # no peft involved
@@ -99,7 +96,7 @@ def test_with_optimizer_keeps_the_optimizer_and_refusals_write_nothing(server, z
     row = {"name": "final", "sampler_path": zebra["sampler"], "state_path": zebra["state"]}
     (home / "runs" / "sl-moving" / "checkpoints.jsonl").write_text(json.dumps(row) + "\n")
     state_dir = tmp_path / "state"
-    out = run_rlcli(
+    out = cli(
         "export", "sl-moving", "-o", str(state_dir), "--with-optimizer", "--json", *url,
         env={"RLCLI_HOME": str(home)},
     )  # fmt: skip
@@ -115,7 +112,7 @@ def test_with_optimizer_keeps_the_optimizer_and_refusals_write_nothing(server, z
     with tarfile.open(fileobj=io.BytesIO(httpx.get(link).content)) as tar:
         assert "optimizer.pt" not in tar.getnames() and "run.json" not in tar.getnames()
 
-    refused = run_rlcli(
+    refused = cli(
         "export", "-c", zebra["sampler"], "-o", str(tmp_path / "x"), "--with-optimizer", *url
     )
     assert refused.returncode == 1 and "sampler weights (no optimizer state)" in refused.stderr
@@ -124,22 +121,22 @@ def test_with_optimizer_keeps_the_optimizer_and_refusals_write_nothing(server, z
     keep = tmp_path / "keep"
     keep.mkdir()
     (keep / "mine.txt").write_text("precious")
-    busy = run_rlcli("export", "-c", zebra["sampler"], "-o", str(keep), *url)
+    busy = cli("export", "-c", zebra["sampler"], "-o", str(keep), *url)
     assert busy.returncode == 1 and "not empty" in busy.stderr
     assert [p.name for p in keep.iterdir()] == ["mine.txt"]
 
     # A failure after the download (the base model cannot load) leaves no trace beside -o.
     before = sorted(p.name for p in tmp_path.iterdir())
-    broken = run_rlcli(
+    broken = cli(
         "export", "-c", zebra["sampler"], "-o", str(tmp_path / "merged"), "--merge",
         "--base-model", str(tmp_path / "no-such-model"), *url,
     )  # fmt: skip
     assert broken.returncode == 1 and "cannot load the base model" in broken.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
-    missing = run_rlcli("export", "-c", zebra["sampler"] + "-nope", "-o", str(tmp_path / "y"), *url)
+    missing = cli("export", "-c", zebra["sampler"] + "-nope", "-o", str(tmp_path / "y"), *url)
     assert missing.returncode == 1 and "no such checkpoint" in missing.stderr
     (tmp_path / "empty-run").mkdir()
-    no_rows = run_rlcli("export", str(tmp_path / "empty-run"), "-o", str(tmp_path / "z"), *url)
+    no_rows = cli("export", str(tmp_path / "empty-run"), "-o", str(tmp_path / "z"), *url)
     assert no_rows.returncode == 1 and "recorded no sampler checkpoint" in no_rows.stderr
     before.append("empty-run")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)
@@ -156,12 +153,12 @@ def _step_loss(base_url: str, path: str, datum: types.Datum) -> tuple[float, flo
 
 
 def test_a_state_restored_on_another_server_continues_exactly(
-    server, tiny_model, zebra, tmp_path, tmp_path_factory
+    server, second_server, tiny_model, zebra, tmp_path
 ):
     from transformers import AutoTokenizer
 
     exported = tmp_path / "moving"
-    out = run_rlcli(
+    out = cli(
         "export", "-c", zebra["state"], "-o", str(exported), "--with-optimizer",
         "--base-url", server.base_url,
     )  # fmt: skip
@@ -173,27 +170,20 @@ def test_a_state_restored_on_another_server_continues_exactly(
     )
     on_first = _step_loss(server.base_url, zebra["state"], datum)
 
-    home = tmp_path_factory.mktemp("second-server")
-    second = start_server(home, tiny_model)
-    try:
-        url = ["--base-url", second.base_url]
-        restored = run_rlcli("restore", str(exported), "--json", *url)
-        assert restored.returncode == 0, restored.stderr
-        assert json.loads(restored.stdout)["tinker_path"] == zebra["state"]
-        on_second = _step_loss(second.base_url, zebra["state"], datum)
-        assert on_second[0] == pytest.approx(on_first[0], rel=1e-5)
-        assert on_second[1] == pytest.approx(on_first[1], rel=1e-5)  # the Adam moments came too
+    url = ["--base-url", second_server.base_url]
+    restored = run_rlcli("restore", str(exported), "--json", *url)
+    assert restored.returncode == 0, restored.stderr
+    assert json.loads(restored.stdout)["tinker_path"] == zebra["state"]
+    on_second = _step_loss(second_server.base_url, zebra["state"], datum)
+    assert on_second[0] == pytest.approx(on_first[0], rel=1e-5)
+    assert on_second[1] == pytest.approx(on_first[1], rel=1e-5)  # the Adam moments came too
 
-        again = run_rlcli("restore", str(exported), *url)
-        assert again.returncode == 1 and "exists here" in again.stderr
-        adapter_only = tmp_path / "adapter-only"
-        run_rlcli(
-            "export", "-c", zebra["sampler"], "-o", str(adapter_only), "--base-url", server.base_url
-        )
-        refused = run_rlcli("restore", str(adapter_only), *url)
-        assert refused.returncode == 1 and "--with-optimizer" in refused.stderr
-    finally:
-        process.stop(home)
+    again = cli("restore", str(exported), *url)
+    assert again.returncode == 1 and "exists here" in again.stderr
+    adapter_only = tmp_path / "adapter-only"
+    cli("export", "-c", zebra["sampler"], "-o", str(adapter_only), "--base-url", server.base_url)
+    refused = cli("restore", str(adapter_only), *url)
+    assert refused.returncode == 1 and "--with-optimizer" in refused.stderr
 
 
 def _tar(files: dict[str, bytes]) -> bytes:
@@ -208,7 +198,7 @@ def _tar(files: dict[str, bytes]) -> bytes:
 
 def test_restore_route_checks_the_upload_and_writes_nothing_on_refusal(server, zebra, tmp_path):
     exported = tmp_path / "state"
-    out = run_rlcli(
+    out = cli(
         "export", "-c", zebra["state"], "-o", str(exported), "--with-optimizer",
         "--base-url", server.base_url,
     )  # fmt: skip

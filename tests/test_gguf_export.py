@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ANSWER, run_rlcli, start_server, train_zebra
+from conftest import ANSWER, cli, run_rlcli, start_server, train_zebra
 
 TEXT = "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\nzebra zebra zebra"
 # Per-token |logprob(GGUF via transformers) - logprob(server)| <= REL * (1 + |logprob|): the
@@ -116,22 +116,18 @@ def test_an_imported_gguf_export_serves_what_was_taught(server, zebra, tmp_path)
 
 def test_gguf_export_refusals_leave_everything_as_it_was(server, zebra, tmp_path):
     url = ["--base-url", server.base_url]
-    both = run_rlcli("export", "-c", zebra["state"], "--gguf", "--with-optimizer", "-o",
-                     str(tmp_path / "x.gguf"), *url)  # fmt: skip
+    both = cli("export", "-c", zebra["state"], "--gguf", "--with-optimizer", "-o",
+               str(tmp_path / "x.gguf"), *url)  # fmt: skip
     assert both.returncode == 1 and "--gguf and --with-optimizer" in both.stderr
-    folder = run_rlcli(
-        "export", "-c", zebra["sampler"], "--gguf", "-o", str(tmp_path / "dir"), *url
-    )
+    folder = cli("export", "-c", zebra["sampler"], "--gguf", "-o", str(tmp_path / "dir"), *url)
     assert folder.returncode == 1 and "ending in .gguf" in folder.stderr
     precious = tmp_path / "notes.gguf"
     precious.write_text("my notes\n")
-    kept = run_rlcli(
-        "export", "-c", zebra["sampler"], "--gguf", "--force", "-o", str(precious), *url
-    )
+    kept = cli("export", "-c", zebra["sampler"], "--gguf", "--force", "-o", str(precious), *url)
     assert kept.returncode == 1 and "not a GGUF file" in kept.stderr
     assert precious.read_text() == "my notes\n"
-    kind = run_rlcli("export", "-c", zebra["sampler"], "--gguf", "--gguf-type", "q4", "-o",
-                     str(tmp_path / "y.gguf"), *url)  # fmt: skip
+    kind = cli("export", "-c", zebra["sampler"], "--gguf", "--gguf-type", "q4", "-o",
+               str(tmp_path / "y.gguf"), *url)  # fmt: skip
     assert kind.returncode == 1 and "--gguf-type q4" in kind.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.gguf"]
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import run_rlcli
+from conftest import cli, run_rlcli
 from rlcli.data.chat import DataError, read_conversations
 from rlcli.data.importers import ImportReport, import_lines
 
@@ -188,16 +188,16 @@ def test_cli_strict_writes_nothing_when_a_line_is_bad(tmp_path):
     dump.write_text(json.dumps(OPENAI[0]) + "\n{bad\n")
     out = tmp_path / "out.jsonl"
     out.write_text("precious\n")
-    result = rlcli("import", str(dump), "-f", "openai", "--strict", "-o", str(out))
+    result = cli("import", str(dump), "-f", "openai", "--strict", "-o", str(out))
     assert result.returncode == 1
     assert "1 bad lines (--strict); nothing written" in result.stderr
     assert out.read_text() == "precious\n"
 
 
 def test_cli_unknown_format_and_missing_file(tmp_path):
-    result = rlcli("import", str(tmp_path / "nope.jsonl"), "-f", "openai")
+    result = cli("import", str(tmp_path / "nope.jsonl"), "-f", "openai")
     assert result.returncode == 1 and "nope.jsonl: no such file" in result.stderr
-    result = rlcli("import", "-", "-f", "csv", stdin="")
+    result = cli("import", "-", "-f", "csv", stdin="")
     assert result.returncode == 1 and "--format csv: unknown format" in result.stderr
 
 

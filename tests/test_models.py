@@ -198,16 +198,16 @@ def test_gguf_base_model_serves_samples_trains_and_matches_transformers(tiny_ggu
 def test_opsd_teacher_may_be_a_gguf_file(tiny_gguf, tmp_path):
     """``train opsd --teacher x.gguf`` converts the file like ``--model`` does, so the teacher
     is the folder a server would serve (here: the same bytes as the student, one folder)."""
-    from conftest import run_rlcli
+    from conftest import cli
     from rlcli.models.gguf import local_model
 
     copy = tmp_path / tiny_gguf.name  # the same name and bytes: the same folder
     copy.write_bytes(tiny_gguf.read_bytes())
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Say hello."}\n')
-    result = run_rlcli("train", "opsd", "--dataset", str(prompts), "--model", str(tiny_gguf),
-                       "--teacher", str(copy), "--base-url", "http://127.0.0.1:9",
-                       "--dry-run", "--json")  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(prompts), "--model", str(tiny_gguf),
+                 "--teacher", str(copy), "--base-url", "http://127.0.0.1:9",
+                 "--dry-run", "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     folder = local_model(str(tiny_gguf))

@@ -121,21 +121,33 @@ def run_until_step_then_kill(argv, run_dir: Path, step: int) -> None:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_kill_9_at_three_points_then_resume_matches_an_uninterrupted_run(
     tmp_path, server, tiny_model
 ):
+    # The uninterrupted reference runs while the other is killed and resumed (its own run on
+    # the server: the two share nothing but the base model), instead of before it.
     reference_dir = tmp_path / "reference"
-    ref = subprocess.run(
-        train_argv(server, tiny_model, reference_dir), capture_output=True, text=True, timeout=600
+    reference_run = subprocess.Popen(
+        train_argv(server, tiny_model, reference_dir),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        run_dir = tmp_path / "interrupted"
+        argv = train_argv(server, tiny_model, run_dir)
+        for kill_after in (4, 7, 10):  # each one or more steps past the checkpoint before it
+            run_until_step_then_kill(argv, run_dir, kill_after)
+        ref_out, ref_err = reference_run.communicate(timeout=600)
+    finally:
+        if reference_run.poll() is None:
+            reference_run.kill()
+    ref = subprocess.CompletedProcess(
+        reference_run.args, reference_run.returncode, ref_out, ref_err
     )
     assert ref.returncode == 0, ref.stderr[-3000:]
     reference = losses_by_step(reference_dir)
     assert sorted(reference) == list(range(12))
 
-    run_dir = tmp_path / "interrupted"
-    argv = train_argv(server, tiny_model, run_dir)
-    for kill_after in (4, 7, 10):  # each one or more steps past the checkpoint before it
-        run_until_step_then_kill(argv, run_dir, kill_after)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming in" in done.stderr

@@ -91,7 +91,11 @@ def test_a_server_that_dies_mid_run_is_noticed_and_named(tmp_path, tiny_model, c
     home = tmp_path / "srv"
     record = start_server(home, tiny_model)
     run_dir = tmp_path / "run"
-    proc, err = start(long_run(record.base_url, tiny_model, chats, run_dir), run_dir)
+    # The health watch's real intervals (5 s, 4 s timeouts) made this wait ~40 s for a frozen
+    # server; the same three failed checks in a row, shortened (runner.HEALTH_*_S).
+    quick = {**os.environ, "RLCLI_HEALTH_EVERY_S": "0.5", "RLCLI_HEALTH_TIMEOUT_S": "2"}
+    argv = long_run(record.base_url, tiny_model, chats, run_dir)
+    proc, err = start(argv, run_dir, env=quick)
     try:
         wait_for_steps(run_dir, 3, proc)
         assert recipe_children(run_dir)

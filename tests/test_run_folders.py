@@ -150,7 +150,7 @@ def test_ctrl_c_saves_a_checkpoint_and_every_step_count_agrees(tmp_path, server,
     import signal
     import subprocess
 
-    from conftest import RLCLI, run_rlcli, wait_for_steps
+    from conftest import RLCLI, cli, wait_for_steps
 
     run_dir = tmp_path / "run"
     argv = [
@@ -186,10 +186,10 @@ def test_ctrl_c_saves_a_checkpoint_and_every_step_count_agrees(tmp_path, server,
     assert saving <= {int(n) for n in names} and 3 in saving
     cancelled = [e["step"] + 1 for e in events if e["phase"] == "cancelled"]
     assert cancelled == [done]
-    shown = json.loads(run_rlcli("runs", "show", str(run_dir), "--json").stdout)
+    shown = json.loads(cli("runs", "show", str(run_dir), "--json").stdout)
     assert shown["steps_done"] == done
 
-    resumed = run_rlcli(*argv[3:], "--max-steps", str(done + 2), "--json")
+    resumed = cli(*argv[3:], "--max-steps", str(done + 2), "--json")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     steps = [r["step"] for r in _rows(run_dir / "metrics.jsonl")]
     assert steps == list(range(done + 2))  # continued after the Ctrl-C checkpoint, no repeats

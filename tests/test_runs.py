@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI, recipe_children, run_rlcli, wait_for_steps
+from conftest import RLCLI, cli, recipe_children, wait_for_steps
 
 EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -46,8 +46,9 @@ def train_argv(server, model, chats, run_dir: Path | None, *extra) -> list[str]:
     ]  # fmt: skip
 
 
-def rlcli(env, *args, timeout=120) -> subprocess.CompletedProcess:
-    return run_rlcli(*args, env=env, timeout=timeout)
+def rlcli(env, *args) -> subprocess.CompletedProcess:
+    """`rlcli runs ...` in this process (conftest.cli); the runs themselves are processes."""
+    return cli(*args, env=env)
 
 
 def as_json(result: subprocess.CompletedProcess):
@@ -101,6 +102,7 @@ def runs(tmp_path_factory, server, tiny_model, chats, env, home) -> dict[str, Pa
     return {"finished": finished, **dirs}
 
 
+@pytest.mark.slow
 def test_list_show_and_plot_real_runs(runs, env, tmp_path):
     listed = {r["id"]: r for r in as_json(rlcli(env, "runs", "list", "--json"))}
     assert set(listed) >= {p.name for p in runs.values()}
@@ -161,6 +163,7 @@ def test_list_show_and_plot_real_runs(runs, env, tmp_path):
     assert "is not running (finished); nothing to cancel" in not_running.stderr
 
 
+@pytest.mark.slow
 def test_detach_follow_cancel_and_resume(server, tiny_model, chats, env, tmp_path):
     """`train sl --dataset - --detach` returns with the run id; `runs show -f` follows it;
     `runs cancel` leaves a checkpoint the server has and a cancelled run; the printed resume
@@ -230,6 +233,7 @@ def test_detach_follow_cancel_and_resume(server, tiny_model, chats, env, tmp_pat
     assert again["status"] == "finished" and again["steps_done"] == done + 1
 
 
+@pytest.mark.slow
 def test_folders_without_a_record_and_ambiguous_ids(runs, env, home, tmp_path):
     """A folder from before rlcli_run.json lists from what its files say; two runs with one
     name are one clear line asking for the path."""

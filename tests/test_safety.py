@@ -23,7 +23,7 @@ import pytest
 import tinker
 from tinker import types
 
-from conftest import run_rlcli, start_server
+from conftest import cli, run_rlcli, start_server
 
 KEY = {"X-API-Key": "tml-dummy"}
 
@@ -139,15 +139,15 @@ def test_export_force_replaces_only_an_earlier_export(server, saved, tmp_path):
 
     # An earlier export is replaced...
     adapter = tmp_path / "adapter"
-    first = run_rlcli("export", "-c", saved["sampler"], "-o", str(adapter), *url)
+    first = cli("export", "-c", saved["sampler"], "-o", str(adapter), *url)
     assert first.returncode == 0, first.stderr
     manifest = json.loads((adapter / "rlcli_export.json").read_text())
     assert "adapter_model.safetensors" in manifest["files"]
-    again = run_rlcli("export", "-c", saved["sampler"], "-o", str(adapter), "--force", *url)
+    again = cli("export", "-c", saved["sampler"], "-o", str(adapter), "--force", *url)
     assert again.returncode == 0, again.stderr
     # ... but not once someone keeps their own files in it.
     (adapter / "README.md").write_text("my notes on this adapter")
-    kept = run_rlcli("export", "-c", saved["sampler"], "-o", str(adapter), "--force", *url)
+    kept = cli("export", "-c", saved["sampler"], "-o", str(adapter), "--force", *url)
     assert kept.returncode == 1 and "README.md" in kept.stderr
     assert (adapter / "README.md").read_text() == "my notes on this adapter"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "project"]
@@ -402,7 +402,7 @@ def test_merged_export_keeps_a_bf16_base_models_dtype(server, saved, tiny_model,
     AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(bf16)
     assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
     merged = tmp_path / "merged"
-    out = run_rlcli(
+    out = cli(
         "export", "-c", saved["sampler"], "-o", str(merged), "--merge",
         "--base-model", str(bf16), "--base-url", server.base_url,
     )  # fmt: skip
@@ -492,7 +492,7 @@ def test_a_torn_metrics_line_freezes_neither_progress_nor_step_counts(tmp_path):
     record = {"status": "finished", "kind": "sl", "model": "m", "total_steps": 8, "exit_code": 0}
     (run / "rlcli_run.json").write_text(json.dumps(record))
 
-    shown = run_rlcli("runs", "show", str(run), "--json")
+    shown = cli("runs", "show", str(run), "--json")
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["steps_done"] == 8
     assert shown.stderr.count("line 4 is torn") == 1  # said once

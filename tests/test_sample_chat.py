@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from conftest import RLCLI, run_rlcli, train_zebra
+from conftest import RLCLI, cli, run_rlcli, train_zebra
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,11 @@ def test_sample_answers_from_the_checkpoint_not_the_base_model(server, tiny_mode
     assert {s["tokens"] for s in result["samples"]} == {12}
     assert {s["stop_reason"] for s in result["samples"]} == {"length"}
 
-    base = run_rlcli("sample", "--model", str(tiny_model), *greedy, *url)
+    base = cli("sample", "--model", str(tiny_model), *greedy, *url)
     assert base.returncode == 0, base.stderr
     assert base.stdout.strip() and "zebra" not in base.stdout
 
-    raw = run_rlcli(
+    raw = cli(
         "sample", "-c", zebra["sampler"], "--raw", "-p", "-", "--max-tokens", "5",
         "--seed", "1", "-n", "2", "--json", *url, stdin="Hello there\n",
     )  # fmt: skip
@@ -60,18 +60,16 @@ def test_sample_answers_from_the_checkpoint_not_the_base_model(server, tiny_mode
 
 def test_sample_refuses_what_it_cannot_sample_in_one_line(server, tiny_model, zebra):
     url = ["--base-url", server.base_url]
-    state = run_rlcli("sample", "-c", zebra["state"], "-p", "hi", *url)
+    state = cli("sample", "-c", zebra["state"], "-p", "hi", *url)
     assert state.returncode == 1
     (line,) = state.stderr.strip().splitlines()[-1:]
     assert "training state" in line and zebra["sampler"] in line  # names the samplable path
     missing = zebra["sampler"].replace("/zebra", "/nope")
-    gone = run_rlcli("sample", "-c", missing, "-p", "hi", *url)
+    gone = cli("sample", "-c", missing, "-p", "hi", *url)
     assert gone.returncode == 1 and "no such checkpoint" in gone.stderr
-    other = run_rlcli("sample", "--model", "org/other-model", "-p", "hi", *url)
+    other = cli("sample", "--model", "org/other-model", "-p", "hi", *url)
     assert other.returncode == 1 and f"serves {tiny_model}" in other.stderr
-    dead = run_rlcli(
-        "sample", "--model", str(tiny_model), "-p", "hi", "--base-url", "http://127.0.0.1:9"
-    )
+    dead = cli("sample", "--model", str(tiny_model), "-p", "hi", "--base-url", "http://127.0.0.1:9")
     assert dead.returncode == 1 and "no Tinker server answered" in dead.stderr
     assert len(dead.stderr.strip().splitlines()) == 1
 

@@ -13,19 +13,25 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI, run_rlcli
+from conftest import RLCLI, cli, run_rlcli
 from rlcli.demo.run import free_port
 from rlcli.launch.process import pid_alive
 
 
 def rlcli(home, *args, timeout=180) -> subprocess.CompletedProcess:
+    """`rlcli ARGS` as a user runs it: a process of its own (each `serve start` here)."""
     return run_rlcli(*args, env={"RLCLI_HOME": str(home)}, timeout=timeout)
+
+
+def quick(home, *args) -> subprocess.CompletedProcess:
+    """`rlcli ARGS` in this process (conftest.cli): status, logs, stop and refusals."""
+    return cli(*args, env={"RLCLI_HOME": str(home)})
 
 
 @pytest.fixture
 def home(tmp_path):
     yield tmp_path
-    rlcli(tmp_path, "serve", "stop", "--grace", "2")  # never leave a server behind
+    quick(tmp_path, "serve", "stop", "--grace", "2")  # never leave a server behind
 
 
 def test_start_status_logs_stop(home, tiny_model):
@@ -35,7 +41,7 @@ def test_start_status_logs_stop(home, tiny_model):
     assert started.stdout.strip() == f"http://127.0.0.1:{port}"
     assert f"OpenAI-compatible API: http://127.0.0.1:{port}/v1" in started.stderr
 
-    status = rlcli(home, "serve", "status", "--json")
+    status = quick(home, "serve", "status", "--json")
     assert status.returncode == 0, status.stderr
     info = json.loads(status.stdout)
     assert info["running"] and info["healthy"]
@@ -44,22 +50,22 @@ def test_start_status_logs_stop(home, tiny_model):
     assert info["pid"] > 0 and info["uptime_s"] >= 0
     assert info["device"] == "cpu"
 
-    again = rlcli(home, "serve", "start", "--base-model", str(tiny_model), "--port", str(port))
+    again = quick(home, "serve", "start", "--base-model", str(tiny_model), "--port", str(port))
     assert again.returncode == 1
     assert "already running" in again.stderr and f"pid {info['pid']}" in again.stderr
 
-    logs = rlcli(home, "serve", "logs", "-n", "5")
+    logs = quick(home, "serve", "logs", "-n", "5")
     assert logs.returncode == 0 and "engine ready" in (home / "logs" / "server.log").read_text()
 
-    stopped = rlcli(home, "serve", "stop")
+    stopped = quick(home, "serve", "stop")
     assert stopped.returncode == 0 and "stopped the server" in stopped.stderr
     assert not pid_alive(info["pid"])
-    after = rlcli(home, "serve", "status", "--json")
+    after = quick(home, "serve", "status", "--json")
     assert after.returncode == 3 and json.loads(after.stdout) == {"running": False}
 
 
 def test_stop_when_nothing_runs_says_so(home):
-    result = rlcli(home, "serve", "stop")
+    result = quick(home, "serve", "stop")
     assert result.returncode == 0
     assert "no server is running; nothing to stop" in result.stderr
 
@@ -69,7 +75,7 @@ def test_port_already_taken_is_a_clear_error(home, tiny_model):
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        result = rlcli(home, "serve", "start", "--base-model", str(tiny_model), "--port", str(port))
+        result = quick(home, "serve", "start", "--base-model", str(tiny_model), "--port", str(port))
     assert result.returncode == 1
     assert f"error: port {port} on 127.0.0.1 is already in use" in result.stderr
     assert "--port" in result.stderr
@@ -86,22 +92,22 @@ def test_status_cleans_up_after_a_killed_server(home, tiny_model):
     deadline = time.monotonic() + 10
     while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    status = rlcli(home, "serve", "status", "--json")
+    status = quick(home, "serve", "status", "--json")
     assert status.returncode == 3
     assert json.loads(status.stdout) == {"running": False, "cleaned_up_stale_pid": pid}
     assert not (home / "server.json").exists()
 
 
 def test_missing_model_folder_is_a_clear_error(home, tmp_path):
-    result = rlcli(home, "serve", "start", "--base-model", str(tmp_path / "nope"))
+    result = quick(home, "serve", "start", "--base-model", str(tmp_path / "nope"))
     assert result.returncode == 1
     assert "--base-model" in result.stderr and "no such folder" in result.stderr
 
 
 def test_unknown_flag_and_backend_are_refused(home, tiny_model):
-    result = rlcli(home, "serve", "start", "--base-model", str(tiny_model), "--backend", "tpu")
+    result = quick(home, "serve", "start", "--base-model", str(tiny_model), "--backend", "tpu")
     assert result.returncode == 1 and "--backend tpu: unknown backend" in result.stderr
-    result = rlcli(home, "serve", "start", "--bogus")
+    result = quick(home, "serve", "start", "--bogus")
     assert result.returncode == 2 and "No such option" in result.stderr
 
 
@@ -109,7 +115,7 @@ def test_help_is_fast_and_does_not_import_torch(home):
     code = "import sys; from rlcli.cli.main import app; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False"
-    result = rlcli(home, "--help")
+    result = quick(home, "--help")
     assert result.returncode == 0 and "serve" in result.stdout
 
 
@@ -164,7 +170,7 @@ def test_stop_never_signals_a_pid_that_is_no_longer_our_server(home):
             "start_ticks": 1,  # not the bystander's start time
         }  # fmt: skip
         (home / "server.json").write_text(json.dumps(record))
-        stopped = rlcli(home, "serve", "stop", "--grace", "1")
+        stopped = quick(home, "serve", "stop", "--grace", "1")
         assert stopped.returncode == 0
         assert f"stale record of pid {bystander.pid}" in stopped.stderr
         assert "nothing was signalled" in stopped.stderr
@@ -188,7 +194,7 @@ def test_status_exits_nonzero_when_the_server_is_not_healthy(home):
             "start_ticks": start_ticks(impostor.pid),
         }  # fmt: skip
         (home / "server.json").write_text(json.dumps(record))
-        status = rlcli(home, "serve", "status", "--json")
+        status = quick(home, "serve", "status", "--json")
         assert status.returncode == 1
         info = json.loads(status.stdout)
         assert info["running"] and not info["healthy"]
@@ -263,19 +269,23 @@ def test_a_foreground_server_is_seen_by_status_logs_and_stop(home, tiny_model):
         deadline = time.monotonic() + 120
         status = None
         while time.monotonic() < deadline and proc.poll() is None:
-            status = rlcli(home, "serve", "status", "--json")
+            status = quick(home, "serve", "status", "--json")
             if status.returncode == 0:
                 break
             time.sleep(0.5)
         assert status is not None and status.returncode == 0, status and status.stdout
         info = json.loads(status.stdout)
         assert info["pid"] == proc.pid and info["port"] == port and info["healthy"]
-        logs = rlcli(home, "serve", "logs", "-n", "200")
+        logs = quick(home, "serve", "logs", "-n", "200")
         assert "engine ready" in logs.stdout
-        stopped = rlcli(home, "serve", "stop")
+        stopped = quick(home, "serve", "stop")
         assert stopped.returncode == 0 and f"stopped the server (pid {proc.pid}" in stopped.stderr
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
-        assert b"engine ready" in proc.stdout.read()  # the log also reached stdout
+        out = proc.stdout.read()
+        assert b"engine ready" in out  # the log also reached stdout
+        # SIGTERM (what stop sends) ends it cleanly: uvicorn shuts down gracefully, then
+        # re-raises the signal it caught (uvicorn >= 0.29). Was test_server_behaviour's own.
+        assert b"Traceback" not in out
         assert not (home / "server.json").exists()
         assert not _listening(port)
     finally:
@@ -302,5 +312,5 @@ def test_a_killed_foreground_cli_takes_its_server_with_it(home, tiny_model):
     while time.monotonic() < deadline and _listening(port):
         time.sleep(0.3)
     assert not _listening(port)
-    status = rlcli(home, "serve", "status", "--json")
+    status = quick(home, "serve", "status", "--json")
     assert status.returncode == 3  # the stale record is cleaned up

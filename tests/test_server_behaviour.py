@@ -1,10 +1,8 @@
 """How the server behaves over time: compute never blocks HTTP, vanished clients are cleaned
-up, and the foreground mode serves until signalled."""
+up. (The foreground mode serving until SIGTERM: test_serve_cli.py's foreground test.)"""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -15,7 +13,6 @@ import pytest
 import tinker
 from tinker import types
 
-from rlcli.demo.run import free_port
 from rlcli.launch import process
 
 
@@ -26,7 +23,7 @@ def test_health_and_polls_stay_fast_during_a_long_forward_backward(server, servi
             model_input=types.ModelInput.from_ints([5 + i % 900 for i in range(2048)]),
             loss_fn_inputs={"target_tokens": [6] * 2048, "weights": [1.0] * 2048},
         )
-        for _ in range(24)
+        for _ in range(8)  # seconds of compute on CI's 2 cores: polls see it busy many times
     ]
     started = time.monotonic()
     future = trainer.forward_backward(big, "cross_entropy")
@@ -83,25 +80,3 @@ def test_a_vanished_clients_adapters_are_freed(tmp_path, tiny_model):
             ).result()
     finally:
         process.stop(tmp_path)
-
-
-def test_foreground_mode_serves_until_sigterm(tmp_path, tiny_model):
-    port = free_port()
-    env = {**os.environ, "RLCLI_HOME": str(tmp_path)}
-    command = [sys.executable, "-m", "rlcli.cli.main", "serve", "start", "--foreground"]
-    command += ["--base-model", str(tiny_model), "--port", str(port)]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        healthy = False
-        while time.monotonic() < deadline and proc.poll() is None and not healthy:
-            healthy, _ = process.health(f"http://127.0.0.1:{port}", timeout=1)
-            time.sleep(0.3)
-        assert healthy
-        proc.send_signal(signal.SIGTERM)
-        # uvicorn shuts down gracefully, then re-raises the signal it caught (uvicorn >= 0.29).
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
-        assert b"Traceback" not in proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()

@@ -15,7 +15,7 @@ import sys
 import httpx
 import pytest
 
-from conftest import run_rlcli
+from conftest import cli
 from rlcli.compat import skyrl_client
 from rlcli.errors import RlcliError
 from rlcli.launch import skyrl
@@ -23,7 +23,7 @@ from rlcli.recipes import loss_guard
 
 
 def dry_run(home, *args, env=None):
-    result = run_rlcli(
+    result = cli(
         "serve", "start", "--base-model", "org/model", "--port", "8765", "--dry-run", *args,
         env={"RLCLI_HOME": str(home), **(env or {})},
     )  # fmt: skip
@@ -111,7 +111,7 @@ def test_cache_env_var_moves_the_environments(tmp_path):
     ],
 )
 def test_flags_that_do_not_apply_are_one_line_errors(tmp_path, args, message):
-    result = run_rlcli(
+    result = cli(
         "serve", "start", "--base-model", "org/model", "--dry-run", *args,
         env={"RLCLI_HOME": str(tmp_path)},
     )  # fmt: skip
@@ -122,7 +122,7 @@ def test_flags_that_do_not_apply_are_one_line_errors(tmp_path, args, message):
 @pytest.mark.skipif(skyrl.cuda_present(), reason="this machine has CUDA")
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_no_cuda_is_refused_before_any_download(tmp_path, backend):
-    result = run_rlcli(
+    result = cli(
         "serve", "start", "--base-model", "org/model", "--backend", backend, "--gpus", "2",
         env={"RLCLI_HOME": str(tmp_path)},
     )  # fmt: skip

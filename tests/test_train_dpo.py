@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from conftest import cli
 from conftest import run_rlcli as run
 
 DEAD_URL = "http://127.0.0.1:9"
@@ -65,7 +66,7 @@ def test_the_margin_rises_and_a_finished_run_resumes(tmp_path, server, tiny_mode
 def test_dry_run_plans_and_bad_pairs_are_reported_by_line(tmp_path, tiny_model):
     data = pairs_file(tmp_path / "pairs.jsonl", n=10)
     base = ("train", "dpo", "--model", str(tiny_model), "--base-url", DEAD_URL, "--dry-run")
-    result = run(*base, "--dataset", str(data), "--batch-size", "4", "--json",
+    result = cli(*base, "--dataset", str(data), "--batch-size", "4", "--json",
                  "--log-path", str(tmp_path / "run"))  # fmt: skip
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
@@ -79,16 +80,16 @@ def test_dry_run_plans_and_bad_pairs_are_reported_by_line(tmp_path, tiny_model):
         '{"chosen": [{"role": "user", "content": "x"}], "rejected": "b", "prompt": "p"}\n'
         '{"prompt": "hi", "chosen": "a", "rejected": "b"}\n'
     )
-    result = run(*base, "--dataset", str(bad))
+    result = cli(*base, "--dataset", str(bad))
     assert result.returncode == 1 and "3 of 4 lines are not usable preference pairs" in (
         result.stderr
     )
     assert 'line 1: "chosen" and "rejected" are the same' in result.stderr
     assert 'line 2: no "rejected" field (keys: chosen, prompt)' in result.stderr
     assert 'line 3: "chosen" and "rejected" are not both strings' in result.stderr
-    result = run(*base, "--dataset", str(data), "--batch-size", "11")
+    result = cli(*base, "--dataset", str(data), "--batch-size", "11")
     assert result.returncode == 1 and "--batch-size 11: larger than the 10 pairs" in result.stderr
-    result = run(*base, "--dataset", str(data), "--beta", "0")
+    result = cli(*base, "--dataset", str(data), "--beta", "0")
     assert result.returncode == 1 and "--beta 0.0: must be greater than 0" in result.stderr
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_rlcli
+from conftest import cli, run_rlcli
 from rlcli.data.chat import DataError
 from rlcli.data.prompts import read_prompts
 from rlcli.recipes.opsd import OpsdOptions
@@ -83,20 +83,20 @@ def test_bad_lines_are_listed_by_number_before_any_server_work(tmp_path):
         read_prompts(bad.open(), str(bad))
     assert [err.line for err in e.value.errors] == [2, 3, 4, 5, 6]
     log = tmp_path / "run"
-    result = run_rlcli("train", "opsd", "--dataset", str(bad), "--model", "./nowhere-model-x",
-                       "--base-url", DEAD_URL, "--log-path", str(log))  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(bad), "--model", "./nowhere-model-x",
+                 "--base-url", DEAD_URL, "--log-path", str(log))  # fmt: skip
     assert result.returncode == 1
     assert "--model ./nowhere-model-x: no such folder" in result.stderr  # flags first
-    result = run_rlcli("train", "opsd", "--dataset", str(bad), "--model", str(tmp_path),
-                       "--base-url", DEAD_URL)  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(bad), "--model", str(tmp_path),
+                 "--base-url", DEAD_URL)  # fmt: skip
     assert "no config.json" in result.stderr
 
 
 def test_dry_run_needs_no_server_and_shows_the_issue_defaults(tmp_path, tiny_model):
     data = write_jsonl(tmp_path / "p.jsonl", PROMPTS * 10 + MESSAGES)
-    result = run_rlcli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
-                       "--base-url", DEAD_URL, "--dry-run", "--json",
-                       "--teacher-hint", "Answer in French.")  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
+                 "--base-url", DEAD_URL, "--dry-run", "--json",
+                 "--teacher-hint", "Answer in French.")  # fmt: skip
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert (plan["prompts"], plan["prompts_with_context"], plan["steps"]) == (42, 1, 2)
@@ -110,9 +110,9 @@ def test_dry_run_needs_no_server_and_shows_the_issue_defaults(tmp_path, tiny_mod
     assert not Path(o["log_path"]).exists()
     # --steps and --learning-rate are the issue's spellings; a checkpoint teacher is of --model
     checkpoint = "tinker://run/sampler_weights/x"
-    result = run_rlcli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
-                       "--base-url", DEAD_URL, "--dry-run", "--json", "--steps", "1",
-                       "--learning-rate", "3e-4", "--teacher", checkpoint)  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
+                 "--base-url", DEAD_URL, "--dry-run", "--json", "--steps", "1",
+                 "--learning-rate", "3e-4", "--teacher", checkpoint)  # fmt: skip
     plan = json.loads(result.stdout)
     assert plan["steps"] == 1 and plan["options"]["lr"] == 3e-4
     assert plan["teacher_checkpoint"] == checkpoint
@@ -121,8 +121,8 @@ def test_dry_run_needs_no_server_and_shows_the_issue_defaults(tmp_path, tiny_mod
 
 def test_bad_dataset_lines_fail_the_command_with_line_numbers(tmp_path, tiny_model):
     bad = write_jsonl(tmp_path / "bad.jsonl", [PROMPTS[0], "{", {"messages": []}])
-    result = run_rlcli("train", "opsd", "--dataset", str(bad), "--model", str(tiny_model),
-                       "--base-url", DEAD_URL, "--log-path", str(tmp_path / "run"))  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(bad), "--model", str(tiny_model),
+                 "--base-url", DEAD_URL, "--log-path", str(tmp_path / "run"))  # fmt: skip
     assert result.returncode == 1
     assert "2 of 3 lines are not usable prompts; nothing was sent" in result.stderr
     assert "line 2: not JSON" in result.stderr and "line 3:" in result.stderr
@@ -141,8 +141,8 @@ def test_bad_dataset_lines_fail_the_command_with_line_numbers(tmp_path, tiny_mod
 )
 def test_bad_flags_are_one_line(tmp_path, tiny_model, extra, message):
     data = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
-    result = run_rlcli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
-                       "--base-url", DEAD_URL, "--dry-run", *extra)  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
+                 "--base-url", DEAD_URL, "--dry-run", *extra)  # fmt: skip
     assert result.returncode == 1
     assert message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -153,8 +153,8 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path, tiny_model):
 
     other = build_tiny_model(tmp_path / "other", vocab_size=800)
     data = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
-    result = run_rlcli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
-                       "--teacher", str(other), "--base-url", DEAD_URL, "--dry-run")  # fmt: skip
+    result = cli("train", "opsd", "--dataset", str(data), "--model", str(tiny_model),
+                 "--teacher", str(other), "--base-url", DEAD_URL, "--dry-run")  # fmt: skip
     assert result.returncode == 1
     assert f"--teacher {other}: its tokenizer differs from --model's" in result.stderr
 
@@ -216,14 +216,15 @@ def zebra(server, tiny_model, tmp_path_factory) -> dict:
                       {"role": "assistant", "content": "zebra zebra zebra zebra"}]}
         for i in range(8)
     ]  # fmt: skip
-    sft = run_rlcli("train", "sl", "--dataset", str(write_jsonl(folder / "sft.jsonl", chats)),
-                    "--model", str(tiny_model), "--base-url", server.base_url, "--batch-size",
-                    "8", "--epochs", "30", "--lr", "1e-2", "--lora-rank", "8", "--save-every",
-                    "0", "--log-path", str(folder / "sft"), "--json")  # fmt: skip
+    sft = cli("train", "sl", "--dataset", str(write_jsonl(folder / "sft.jsonl", chats)),
+              "--model", str(tiny_model), "--base-url", server.base_url, "--batch-size",
+              "8", "--epochs", "30", "--lr", "1e-2", "--lora-rank", "8", "--save-every",
+              "0", "--log-path", str(folder / "sft"), "--json")  # fmt: skip
     assert sft.returncode == 0, sft.stderr[-3000:]
     return json.loads(sft.stdout)
 
 
+@pytest.mark.slow
 def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(
     tmp_path, server, tiny_model, zebra
 ):
@@ -242,8 +243,8 @@ def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(
     assert [r["step"] for r in rows] == [0, 1] and all("teacher_kl" in r for r in rows)
     # {"messages"} with context, taught by a checkpoint that SFT taught one fixed answer
     messages = write_jsonl(tmp_path / "messages.jsonl", MESSAGES)
-    second = run_rlcli(*small(server.base_url, tiny_model, messages, tmp_path / "b",
-                              "--teacher", zebra["sampler_path"]))  # fmt: skip
+    second = cli(*small(server.base_url, tiny_model, messages, tmp_path / "b",
+                        "--teacher", zebra["sampler_path"]))  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]
     taught = json.loads(second.stdout)
     assert taught["teacher"] == zebra["sampler_path"]
@@ -253,14 +254,14 @@ def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(
     # a teacher checkpoint the server does not have, or a training (not sampler) checkpoint,
     # is one line before any work
     missing = zebra["sampler_path"].rsplit("/", 1)[0] + "/nope"
-    third = run_rlcli(*small(server.base_url, tiny_model, messages, tmp_path / "c",
-                             "--teacher", missing))  # fmt: skip
+    third = cli(*small(server.base_url, tiny_model, messages, tmp_path / "c",
+                       "--teacher", missing))  # fmt: skip
     assert third.returncode == 1 and "--teacher " + missing + ": no such checkpoint" in (
         third.stderr
     )
     assert not (tmp_path / "c").exists()
-    state = run_rlcli(*small(server.base_url, tiny_model, messages, tmp_path / "d",
-                             "--teacher", zebra["state_path"]))  # fmt: skip
+    state = cli(*small(server.base_url, tiny_model, messages, tmp_path / "d",
+                       "--teacher", zebra["state_path"]))  # fmt: skip
     assert state.returncode == 1 and "pass a sampler_weights/... path" in state.stderr
 
 
@@ -324,8 +325,8 @@ def test_a_teacher_on_a_second_server_and_a_base_model_a_server_lacks(
     other_model = Path(shutil.copytree(tiny_model, tmp_path / "teacher-model"))
     data = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2])
     # the student's server hosts only the student's model: one line naming both and the flag
-    lacking = run_rlcli(*small(server.base_url, tiny_model, data, tmp_path / "a",
-                               "--teacher", str(other_model)))  # fmt: skip
+    lacking = cli(*small(server.base_url, tiny_model, data, tmp_path / "a",
+                         "--teacher", str(other_model)))  # fmt: skip
     assert lacking.returncode == 1
     line = lacking.stderr.strip().splitlines()[-1]
     assert f"--teacher {other_model}: the server at {server.base_url}" in line
@@ -335,15 +336,15 @@ def test_a_teacher_on_a_second_server_and_a_base_model_a_server_lacks(
     teacher_server = start_server(home, other_model)
     try:
         # the default teacher (--model) asked of a server that hosts another model
-        wrong = run_rlcli(*small(server.base_url, tiny_model, data, tmp_path / "b",
-                                 "--teacher-base-url", teacher_server.base_url))  # fmt: skip
+        wrong = cli(*small(server.base_url, tiny_model, data, tmp_path / "b",
+                           "--teacher-base-url", teacher_server.base_url))  # fmt: skip
         assert wrong.returncode == 1
         assert f"the server at {teacher_server.base_url} (--teacher-base-url) hosts only" in (
             wrong.stderr
         )
-        result = run_rlcli(*small(server.base_url, tiny_model, data, tmp_path / "c",
-                                  "--teacher", str(other_model), "--steps", "1",
-                                  "--teacher-base-url", teacher_server.base_url))  # fmt: skip
+        result = cli(*small(server.base_url, tiny_model, data, tmp_path / "c",
+                            "--teacher", str(other_model), "--steps", "1",
+                            "--teacher-base-url", teacher_server.base_url))  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         assert json.loads(result.stdout)["first_teacher_kl"] is not None
         # the teacher's server served a sampling session (the teacher) and trained nothing
@@ -363,29 +364,30 @@ def test_a_teacher_on_a_second_server_and_a_base_model_a_server_lacks(
 def test_stdin_prompts_are_kept_and_a_run_resumes_from_its_config(tmp_path, server, tiny_model):
     log = tmp_path / "run"
     stdin = "".join(json.dumps(r) + "\n" for r in PROMPTS[:2] + MESSAGES[:2])
-    first = run_rlcli(*small(server.base_url, tiny_model, "-", log, "--steps", "1",
-                             "--save-every", "1"), stdin=stdin)  # fmt: skip
+    first = cli(*small(server.base_url, tiny_model, "-", log, "--steps", "1",
+                       "--save-every", "1"), stdin=stdin)  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     kept = log / "prompts.jsonl"
     assert read_prompts(kept.open(), str(kept)) == read_prompts(stdin.splitlines(), "stdin")
     assert not list(log.glob(".prompts*"))
-    second = run_rlcli("train", "opsd", "--config", str(log / "config.yaml"), "--log-path",
-                       str(log), "--steps", "2", "--json", stdin="")  # fmt: skip
+    second = cli("train", "opsd", "--config", str(log / "config.yaml"), "--log-path",
+                 str(log), "--steps", "2", "--json", stdin="")  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming in" in second.stderr and "step 2/2" in second.stderr
     steps = [json.loads(line)["step"] for line in (log / "metrics.jsonl").open()]
     assert steps == [0, 1]  # step 1 only: step 0 was not redone
 
 
+@pytest.mark.slow
 def test_opsd_moves_a_student_toward_its_teacher(tmp_path, server, tiny_model, zebra):
     """A student that SFT taught one fixed answer, distilled toward its base model (the
     default teacher): the reverse KL to the teacher falls, at every step. One pass over the
     prompts, so each step's KL is measured on prompts the student has not been trained on."""
     prompts = [{"prompt": f"Question {100 + i}: tell me something."} for i in range(20)]
     data = write_jsonl(tmp_path / "p.jsonl", prompts)
-    result = run_rlcli(*small(server.base_url, tiny_model, data, tmp_path / "run",
-                              "--batch-size", "4", "--group-size", "4", "--lr", "3e-3",
-                              "--init-checkpoint", zebra["state_path"]))  # fmt: skip
+    result = cli(*small(server.base_url, tiny_model, data, tmp_path / "run",
+                        "--batch-size", "4", "--group-size", "4", "--lr", "3e-3",
+                        "--init-checkpoint", zebra["state_path"]))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     kl = [json.loads(line)["teacher_kl"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
     print("teacher_kl per step:", kl)

@@ -4,7 +4,6 @@ supervised recipe: the import pipe, learning, checkpoints, resume, held-out loss
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import signal
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI, run_rlcli
+from conftest import RLCLI, cli, run_rlcli
 
 EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
 DEAD_URL = "http://127.0.0.1:9"
@@ -24,7 +23,8 @@ def rlcli_argv(*args) -> list[str]:
     return [*RLCLI, *args]
 
 
-run = run_rlcli
+run = run_rlcli  # a process of its own: the import pipe, signals, an env read at import
+quick = cli  # in this process (conftest.cli): refusals, plans, `runs`, runs that end by themselves
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def chat_file(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_import_pipe_into_train_sl_learns_and_checkpoints(
     tmp_path, server, tiny_model, openai_dump
 ):
@@ -83,7 +84,7 @@ def test_import_pipe_into_train_sl_learns_and_checkpoints(
     import openai
 
     question = "What is the capital of France?"
-    sampled = run(
+    sampled = quick(
         "sample", "-c", summary["sampler_path"], "-p", question, "--temperature", "0",
         "--max-tokens", "24", "--json", "--base-url", server.base_url,
     )  # fmt: skip
@@ -117,7 +118,7 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, server, tiny
     done_before = len(metrics.read_text().splitlines())
     assert 8 <= done_before < 64
 
-    second = run(*args, "--json")
+    second = quick(*args, "--json")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming in" in second.stderr
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
@@ -127,7 +128,7 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(tmp_path, server, tiny
 
 
 def test_dry_run_plans_without_a_server(tmp_path, tiny_model, chat_file):
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", "-", "--model", str(tiny_model), "--base-url", DEAD_URL,
         "--dry-run", "--json", "--test-size", "0.25", "--batch-size", "8", "--seed", "5",
         "--log-path", str(tmp_path / "run"),
@@ -157,7 +158,7 @@ def test_bad_dataset_lines_are_reported_and_nothing_is_sent(tmp_path, tiny_model
         json.dumps(good) + "\n{broken\n" + json.dumps({"messages": []}) + "\n"
         + json.dumps({"messages": [{"role": "user", "content": "only a question"}]}) + "\n"
     )  # fmt: skip
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(data), "--model", str(tiny_model),
         "--base-url", DEAD_URL, "--log-path", str(tmp_path / "run"),
     )  # fmt: skip
@@ -170,7 +171,7 @@ def test_bad_dataset_lines_are_reported_and_nothing_is_sent(tmp_path, tiny_model
 
 
 def test_dead_server_is_one_clear_line(tmp_path, tiny_model, chat_file):
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
         "--base-url", DEAD_URL, "--log-path", str(tmp_path / "run"),
     )  # fmt: skip
@@ -182,42 +183,25 @@ def test_dead_server_is_one_clear_line(tmp_path, tiny_model, chat_file):
 
 def test_bad_flags_are_refused(tmp_path, tiny_model, chat_file):
     base = ("train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model), "--dry-run")
-    result = run(*base, "--test-size", "1.5")
+    result = quick(*base, "--test-size", "1.5")
     assert result.returncode == 1 and "--test-size 1.5: must be in [0, 1)" in result.stderr
-    result = run(*base, "--batch-size", "500")
+    result = quick(*base, "--batch-size", "500")
     assert result.returncode == 1 and "--batch-size 500: larger than the 128" in result.stderr
-    result = run("train", "sl", "--dataset", str(tmp_path / "nope"), "--model", "x/y")
+    result = quick("train", "sl", "--dataset", str(tmp_path / "nope"), "--model", "x/y")
     assert result.returncode == 1 and "no such file" in result.stderr
-    result = run(*base, "--frobnicate")
+    result = quick(*base, "--frobnicate")
     assert result.returncode == 2 and "No such option" in result.stderr
 
 
-def test_a_wrong_api_key_is_one_line_before_the_run_folder(tmp_path, tiny_model, chat_file):
-    from conftest import start_server
-    from rlcli.launch import process
-
-    record = start_server(tmp_path / "srv", tiny_model, api_key="tml-secret")
-    try:
-        result = subprocess.run(
-            rlcli_argv(
-                "train",
-                "sl",
-                "--dataset",
-                str(chat_file),
-                "--model",
-                str(tiny_model),
-                "--base-url",
-                record.base_url,
-                "--log-path",
-                str(tmp_path / "run"),
-            ),  # fmt: skip
-            capture_output=True,
-            text=True,
-            env={**os.environ, "TINKER_API_KEY": "tml-wrong"},
-            timeout=300,
-        )
-    finally:
-        process.stop(tmp_path / "srv")
+def test_a_wrong_api_key_is_one_line_before_the_run_folder(
+    tmp_path, keyed_server, tiny_model, chat_file
+):
+    _, record = keyed_server
+    result = quick(
+        "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+        "--base-url", record.base_url, "--log-path", str(tmp_path / "run"),
+        env={"TINKER_API_KEY": "tml-wrong"},
+    )  # fmt: skip
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: the server at {record.base_url} refused the API key")
@@ -233,7 +217,7 @@ def metric(run_dir: Path, key: str) -> list[float]:
 
 def test_config_yaml_reproduces_the_run(tmp_path, server, tiny_model, chat_file):
     first, again = tmp_path / "first", tmp_path / "again"
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
         "--base-url", server.base_url, "--log-path", str(first), "--batch-size", "4",
         "--learning-rate", "2e-3", "--lora-rank", "8", "--max-steps", "3", "--json",
@@ -242,7 +226,7 @@ def test_config_yaml_reproduces_the_run(tmp_path, server, tiny_model, chat_file)
     config = (first / "config.yaml").read_text()
     assert "lr: 0.002" in config and "lora_rank: 8" in config and "max_steps: 3" in config
     assert (first / "config.json").exists()  # the cookbook's own record, untouched
-    result = run("train", "sl", "--config", str(first / "config.yaml"), "--log-path", str(again))
+    result = quick("train", "sl", "--config", str(first / "config.yaml"), "--log-path", str(again))
     assert result.returncode == 0, result.stderr[-3000:]
     body = [ln for ln in config.splitlines() if not ln.startswith("#")]
     assert [
@@ -255,17 +239,17 @@ def test_config_yaml_reproduces_the_run(tmp_path, server, tiny_model, chat_file)
 
 def test_missing_model_folder_and_bad_renderer_stop_before_the_run_folder(tmp_path, chat_file):
     base = ("train", "sl", "--dataset", str(chat_file), "--base-url", DEAD_URL)
-    result = run(*base, "--model", str(tmp_path / "no-model"), "--log-path", str(tmp_path / "r"))
+    result = quick(*base, "--model", str(tmp_path / "no-model"), "--log-path", str(tmp_path / "r"))
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip() == f"error: --model {tmp_path / 'no-model'}: no such folder"
-    result = run(*base, "--model", "./tiny", "--renderer", "nope", "--log-path", str(tmp_path))
+    result = quick(*base, "--model", "./tiny", "--renderer", "nope", "--log-path", str(tmp_path))
     assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
     assert "--model ./tiny: no such folder" in result.stderr
     assert not (tmp_path / "r").exists()
 
 
 def test_bad_renderer_is_one_line(tmp_path, tiny_model, chat_file):
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
         "--base-url", DEAD_URL, "--renderer", "nope", "--log-path", str(tmp_path / "r"),
     )  # fmt: skip
@@ -283,7 +267,7 @@ def test_server_refusals_come_before_the_run_folder(tmp_path, server, tiny_model
     other.mkdir()
     (other / "config.json").write_text((tiny_model / "config.json").read_text())
     base = ("train", "sl", "--dataset", str(chat_file), "--base-url", server.base_url)
-    result = run(*base, "--model", str(other), "--log-path", str(tmp_path / "r"))
+    result = quick(*base, "--model", str(other), "--log-path", str(tmp_path / "r"))
     assert result.returncode == 1, result.stderr
     assert f"--model {other}: the server at {server.base_url} serves {tiny_model}" in (
         result.stderr
@@ -292,7 +276,7 @@ def test_server_refusals_come_before_the_run_folder(tmp_path, server, tiny_model
     caps = httpx.get(f"{server.base_url}/api/v1/get_server_capabilities").json()
     too_big = str(caps["max_lora_rank"] + 1)  # our server publishes it
     model = ("--model", str(tiny_model))
-    result = run(*base, *model, "--lora-rank", too_big, "--log-path", str(other))
+    result = quick(*base, *model, "--lora-rank", too_big, "--log-path", str(other))
     assert result.returncode == 1
     assert f"--lora-rank {too_big}: the server at {server.base_url} allows at most" in (
         result.stderr
@@ -303,7 +287,7 @@ def test_server_refusals_come_before_the_run_folder(tmp_path, server, tiny_model
 def test_wandb_offline_run_keeps_metrics_jsonl(tmp_path, server, tiny_model, chat_file):
     run_dir = tmp_path / "run"
     env = {"WANDB_MODE": "offline", "WANDB_API_KEY": "", "WANDB_DIR": str(tmp_path)}
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
         "--base-url", server.base_url, "--log-path", str(run_dir), "--batch-size", "8",
         "--max-steps", "2", "--wandb-project", "rlcli-test", "--wandb-name", "offline-sl",
@@ -316,13 +300,13 @@ def test_wandb_offline_run_keeps_metrics_jsonl(tmp_path, server, tiny_model, cha
 
 
 def test_wandb_flag_without_a_key_online_is_one_line(tmp_path, tiny_model, chat_file):
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
         "--wandb-name", "lonely", "--dry-run",
     )  # fmt: skip
     assert result.returncode == 1
     assert result.stderr.strip() == "error: --wandb-name: name the project too (--wandb-project)"
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
         "--base-url", DEAD_URL, "--wandb-project", "p", "--log-path", str(tmp_path / "r"),
         env={"WANDB_MODE": "", "WANDB_API_KEY": ""},
@@ -363,7 +347,7 @@ def test_schedule_warmup_eval_every_and_train_on_reach_a_parquet_run(
     datasets.Dataset.from_list(rows[:20]).to_parquet(str(folder / "part-0.parquet"))
     datasets.Dataset.from_list(rows[20:]).to_parquet(str(folder / "part-1.parquet"))
     run_dir = tmp_path / "run"
-    result = run(
+    result = quick(
         "train", "sl", "--dataset", str(folder), "--model", str(tiny_model),
         "--base-url", server.base_url, "--log-path", str(run_dir), "--batch-size", "8",
         "--test-size", "0.2", "--eval-every", "2", "--lr", "1e-3", "--lr-schedule", "cosine",
@@ -387,9 +371,9 @@ def test_schedule_warmup_eval_every_and_train_on_reach_a_parquet_run(
         for r in rows
     ]
     assert f"dataset: {kept}" in (run_dir / "config.yaml").read_text()
-    shown = run("runs", "show", str(run_dir))
+    shown = quick("runs", "show", str(run_dir))
     assert "last measured" in shown.stdout and "held-out loss (step 2)" in shown.stdout
-    plotted = json.loads(run("runs", "plot", str(run_dir), "--json").stdout)
+    plotted = json.loads(quick("runs", "plot", str(run_dir), "--json").stdout)
     assert "held-out loss" in [p["label"] for p in plotted["panels"]]
 
 
@@ -424,16 +408,16 @@ def test_tables_and_their_refusals(tmp_path, tiny_model, chat_file):
     saved = tmp_path / "saved"
     datasets.Dataset.from_list(rows).save_to_disk(str(saved))  # an arrow folder
     base = ("train", "sl", "--model", str(tiny_model), "--base-url", DEAD_URL, "--dry-run")
-    result = run(*base, "--dataset", str(saved), "--json", "--batch-size", "4")
+    result = quick(*base, "--dataset", str(saved), "--json", "--batch-size", "4")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["examples"] == 16
     bad = tmp_path / "bad.parquet"
     datasets.Dataset.from_list([{"prompt": "hi", "completion": "hello"}]).to_parquet(str(bad))
-    result = run(*base, "--dataset", str(bad))
+    result = quick(*base, "--dataset", str(bad))
     assert result.returncode == 1 and 'line 1: no "messages" field' in result.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = run(*base, "--dataset", str(empty))
+    result = quick(*base, "--dataset", str(empty))
     assert result.returncode == 1 and "a folder with no parquet or arrow files" in result.stderr
     offline = {"HF_ENDPOINT": DEAD_URL, "HF_HUB_OFFLINE": "", "HF_DATASETS_OFFLINE": ""}
     started = time.monotonic()
@@ -443,11 +427,11 @@ def test_tables_and_their_refusals(tmp_path, tiny_model, chat_file):
         result.stderr
     )
     assert time.monotonic() - started < 30
-    result = run(*base, "--dataset", str(chat_file), "--eval-every", "2")
+    result = quick(*base, "--dataset", str(chat_file), "--eval-every", "2")
     assert result.returncode == 1 and "--eval-every 2: hold some conversations out" in (
         result.stderr
     )
-    result = run(*base, "--dataset", str(chat_file), "--warmup-steps", "16", "--batch-size", "8")
+    result = quick(*base, "--dataset", str(chat_file), "--warmup-steps", "16", "--batch-size", "8")
     assert result.returncode == 1 and "--warmup-steps 16: the run has 16 steps" in result.stderr
 
 
@@ -464,7 +448,7 @@ def test_lora_alpha_reaches_the_adapter_and_survives_a_resume(
         "--save-every", "1", "--lora-rank", "8", "--lora-alpha", "64", "--json",
     )  # fmt: skip
     for steps in ("2", "3"):  # the second run resumes from the first's checkpoint
-        result = run(*args, "--max-steps", steps)
+        result = quick(*args, "--max-steps", steps)
         assert result.returncode == 0, result.stderr[-3000:]
         run_id = json.loads(result.stdout)["state_path"].split("/")[2]
         assert json.loads((root / run_id / "run.json").read_text())["lora"]["alpha"] == 64

@@ -55,7 +55,9 @@ __all__ = ["StepLine", "run_recipe", "lock_run_dir", "write_spec"]
 
 CANCELLED_EXIT = 4  # the recipe stopped at a `runs cancel` request, after a checkpoint
 INHERITED_LOCK_ENV = "RLCLI_RUN_LOCK_FD"  # a detached run's lock, handed over (train --detach)
+# Environment knobs for tests (a frozen server is then noticed in seconds, not ~40 s).
 HEALTH_EVERY_S = float(os.environ.get("RLCLI_HEALTH_EVERY_S") or 5.0)
+HEALTH_TIMEOUT_S = float(os.environ.get("RLCLI_HEALTH_TIMEOUT_S") or 4.0)  # per check
 HEALTH_FAILURES = 3  # in a row: refused connections are noticed in ~15 s, timeouts in ~40 s
 PARENT_PID_ENV = "RLCLI_PARENT_PID"  # the child checks its parent is still this pid
 
@@ -163,7 +165,7 @@ class _HealthWatch(threading.Thread):
         """None while the server is fine (or still loading its model); else what is wrong."""
 
         try:
-            response = httpx.get(self.url, headers=endpoint.headers(), timeout=4.0)
+            response = httpx.get(self.url, headers=endpoint.headers(), timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError as e:
             return f"stopped answering ({type(e).__name__})"
         if response.status_code == 404 and self.url.endswith("/healthz"):
