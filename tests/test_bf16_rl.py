@@ -112,7 +112,7 @@ def test_the_mismatch_metric_sees_sampler_logprobs_that_disagree(server, service
 def _learn(base_url: str, tiny_model, log_path) -> list[dict]:
     config = rl_train.Config(
         learning_rate=2e-2,
-        dataset_builder=LowTokensBuilder(batches=16, groups=4, size=8, vocab=1024),
+        dataset_builder=LowTokensBuilder(batches=24, groups=4, size=8, vocab=1024),
         model_name=str(tiny_model),
         recipe_name="rlcli_test_bf16",
         max_tokens=8,
@@ -134,7 +134,7 @@ def test_the_same_rl_job_learns_in_bf16_as_in_float32(tmp_path, server, bf16_ser
     curves = {}
     for dtype, srv in (("float32", server), ("bfloat16", bf16_server)):
         rows = _learn(srv.base_url, tiny_model, tmp_path / dtype)
-        assert len(rows) == 16
+        assert len(rows) == 24
         rewards = [r["env/all/reward/total"] for r in rows]
         first, last = np.mean(rewards[:4]), np.mean(rewards[-4:])
         assert last > first + LEARNED_GAIN, (dtype, rewards)
