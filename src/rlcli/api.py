@@ -83,7 +83,6 @@ class _Events:
         self.on_progress(Step(line.step, line.total, line.values, line.tokens_per_s, line.eta_s))
 
     def phase(self, status: dict) -> None:
-
         text = describe_status(status)
         if text:
             self.on_progress(Message(text))
@@ -98,7 +97,6 @@ class _Events:
 
 
 def _recipe_of(options):
-
     for name in recipes.REGISTRY:
         recipe = recipes.get(name)
         if type(options) is recipe.options:
@@ -132,7 +130,6 @@ def train(options, *, on_progress: OnProgress | None = None, stdin=None):
 def evaluate(options, *, on_progress: OnProgress | None = None) -> dict:
     """Run ``rlcli eval rl`` with ``options`` (``EvalOptions``); returns what ``--json``
     prints: the scores (and with ``compare=True`` base, checkpoint and difference)."""
-
     check(options)
     events = _Events(on_progress)
 

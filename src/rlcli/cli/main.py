@@ -96,7 +96,6 @@ def _quiet_exit(code: int) -> None:
 
 
 def main() -> None:
-
     try:
         app()
     except RlcliError as e:

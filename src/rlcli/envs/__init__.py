@@ -91,7 +91,6 @@ def get(
 
 def _harbor(folder: Path) -> bool:
     """A Harbor task folder, or a folder of them (what ``train harbor --dataset`` takes)."""
-
     return is_task_folder(folder) or any(
         p.is_dir() and is_task_folder(p) for p in folder.iterdir() if not p.name.startswith(".")
     )

@@ -54,7 +54,6 @@ class HarborTasks(Environment):
     multi_turn = True
 
     def __init__(self, spec: str, flag: str = "--env", task_filter: str | None = None) -> None:
-
         self.spec, self.flag = spec, flag
         try:
             self.folder, self._source, self.specs = dataset_tasks(spec, task_filter, None)
@@ -81,7 +80,6 @@ class HarborTasks(Environment):
     def prepare(self, say: Callable[[str], None]) -> None:
         """The daemon answers and every task's image is there (built now when missing), before
         any sampling; one line when not."""
-
         try:
             version = docker.check_daemon()
             built = 0

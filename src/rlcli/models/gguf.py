@@ -31,7 +31,6 @@ def convert_gguf_cached(gguf_file: str | os.PathLike[str], report=None) -> Path:
     """The converted folder of ``gguf_file``, converting it first if needed. The conversion
     writes a temporary folder and renames it into place, so a killed conversion never leaves a
     half-written model where the next run would load it."""
-
     source = Path(gguf_file).expanduser().resolve()
     if not source.is_file():
         raise RlcliError(f"{gguf_file}: no such GGUF file")

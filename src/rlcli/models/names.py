@@ -50,7 +50,6 @@ GGUF_CONVERSION = 2
 def gguf_folder(gguf_file: str | os.PathLike[str]) -> Path:
     """``$RLCLI_HOME/models/<file stem>-<hash of content and conversion>``: the same file gives
     the same folder wherever it lies, and a changed file (or converter) a new one."""
-
     source = Path(gguf_file).expanduser().resolve()
     stat = source.stat()
     content = _sha256(str(source), stat.st_size, stat.st_mtime_ns)

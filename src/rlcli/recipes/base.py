@@ -25,9 +25,10 @@ from rlcli.data.chat import stdin_text
 from rlcli.errors import RlcliError
 from rlcli.files import atomic
 from rlcli.recipes.options import resume_command, saved
+from rlcli.runs.folder import CHECKPOINTS_FILE
 
 Report = Callable[[str], None]  # one line for the user (the CLI prints it to stderr)
-CHECKPOINTS = "checkpoints.jsonl"  # the cookbook's: a run folder with one is resumed
+CHECKPOINTS = CHECKPOINTS_FILE  # the cookbook's: a run folder with one is resumed
 
 
 @dataclass
@@ -95,7 +96,6 @@ class Recipe:
 
     def spec(self, opts, plan: Plan) -> dict:
         """What the child process builds the recipe from (``opts``: resolved)."""
-
         return {"recipe": self.name, "options": saved(opts), "plan": asdict(plan)}
 
     def describe(self, plan: Plan, served_by: str = "") -> str:
@@ -103,7 +103,6 @@ class Recipe:
         raise NotImplementedError
 
     def resume_hint(self, opts, plan: Plan) -> str:
-
         return resume_command(self.command, plan.run_dir)
 
     def around(self, opts, report: Report):
@@ -158,7 +157,6 @@ def read_input(dataset: str, kept: Path, stdin, read) -> tuple[list, Path]:
     A file is read where it is. Stdin (``-``) is read in memory only: ``keep_lines`` writes it
     into the run folder (``kept``) once every check has passed, so a bad stream or a refused
     run leaves nothing behind; a resumed run with nothing on stdin reuses that copy."""
-
     if dataset == "-":
         if kept.exists() and (stdin is None or stdin.isatty()):  # a resume: the kept copy
             text = ""

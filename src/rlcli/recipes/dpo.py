@@ -80,7 +80,6 @@ class DPO(Recipe):
 
     def prepare(self, opts: DPOOptions, stdin=None, dry_run=False) -> tuple[DPOPlan, list[dict]]:
         """Validate the model, renderer and pairs, count the steps; writes nothing."""
-
         check_model_arg(opts.model)
         check_renderer(opts.renderer)
         run_dir = self.run_dir_of(opts)

@@ -58,7 +58,6 @@ def train(
 
 
 def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
-
     if opts.wandb_project or opts.wandb_name:
         require_wandb(opts)
 
@@ -115,7 +114,6 @@ def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
 
 def check_server(recipe: Recipe, opts, plan, url: str, source: str, say) -> str:
     """Everything the server can tell before the run folder exists; returns its backend."""
-
     endpoint.check_server(url, model=opts.model, source=source)
     server = preflight.Server(url)
     server.check_model(opts.model)

@@ -107,7 +107,6 @@ def _remove_on_sigterm(run: str) -> None:
     import sys
 
     def on_term(signum, frame):
-
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         docker.remove_live_containers()
         docker.remove_run_containers(run)
@@ -133,7 +132,6 @@ class Harbor(Recipe):
     def prepare(self, opts: HarborOptions, stdin=None, dry_run=False) -> tuple[HarborPlan, None]:
         """Check flags, model, renderer and every task folder, and count the steps; no server,
         no sandbox, no writes."""
-
         config = check_policy_flags(opts)
         if opts.sandbox == "modal":
             check_modal()
@@ -212,7 +210,6 @@ class Harbor(Recipe):
     # ---- in the recipe child ----------------------------------------------------------------
 
     def cookbook_config(self, spec: dict):
-
         harbor_env = import_harbor_env()  # modal need not be installed
         HarborDatasetBuilder, HarborTask = harbor_env.HarborDatasetBuilder, harbor_env.HarborTask
 

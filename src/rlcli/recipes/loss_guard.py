@@ -76,7 +76,6 @@ def skyrl_note(backend: str | None, loss: str, config: dict | None) -> str | Non
 
 def managed_backend(base_url: str) -> str | None:
     """The backend of the server ``rlcli serve start`` runs here, if ``base_url`` is it."""
-
     record, _ = process.live_record(rlcli_home())
     if record is None or record.base_url.rstrip("/") != base_url.rstrip("/"):
         return None

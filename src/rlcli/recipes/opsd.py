@@ -148,7 +148,6 @@ def hinted_prompts(spec: dict) -> dict[tuple[int, ...], list[int]]:
 
 def make_teacher_seam(spec: dict):
     """The function ``distill.score_teachers_with`` applies to the recipe's teacher client."""
-
     opts, plan = spec["options"], spec["plan"]
     hinted = hinted_prompts(spec) if opts["teacher_hint"] is not None else None
     remote = None
@@ -179,7 +178,6 @@ class Opsd(Recipe):
     def prepare(self, opts: OpsdOptions, stdin=None, dry_run=False) -> tuple[OpsdPlan, list]:
         """Check flags, model, renderer and every prompt, and count the steps; no server, no
         writes."""
-
         parse_loss_config(opts.loss_config)
         loss_guard.check_backend_hint(opts.backend, opts.loss)
         if opts.kl_penalty_coef or opts.kl_reference:
@@ -227,7 +225,6 @@ class Opsd(Recipe):
     def check_server(self, server, opts: OpsdOptions, plan: OpsdPlan, report) -> str:
         """The student's server: sampling length and the loss; then the teacher's server hosts
         the teacher (its base model, and the checkpoint when one is named)."""
-
         config = parse_loss_config(opts.loss_config)
         served_by = check_policy_server(server, opts, config, report, note=False)
         teacher_url = (opts.teacher_base_url or server.base_url).rstrip("/")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlcli.errors import RlcliError
+from rlcli.runs.folder import SPEC
 
 CONFIG_FILE = "config.yaml"  # the cookbook writes its own config.json beside it
 
@@ -431,7 +432,7 @@ def folder_command(run_dir: Path) -> tuple[str, dict[str, Any]] | None:
         if command.startswith("rlcli train ") and isinstance(settings, dict):
             return command, settings
     try:
-        spec = json.loads((Path(run_dir) / "rlcli_spec.json").read_text())
+        spec = json.loads((Path(run_dir) / SPEC).read_text())
         return f"rlcli train {spec['recipe']}", dict(spec["options"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -102,7 +102,6 @@ def check_policy_flags(opts: PolicyOptions) -> dict | None:
     """The checks every RL-style command (rl, harbor) makes before it plans: the loss and its
     config, the backend hint, the checkpoint paths, the model folder and the renderer name.
     Returns the parsed loss config."""
-
     config = parse_loss_config(opts.loss_config)
     loss_guard.check_backend_hint(opts.backend, opts.loss)
     for flag, path in (
@@ -170,7 +169,6 @@ def check_policy_server(server, opts: PolicyOptions, loss_config, report, note=T
     """The server checks of an RL-style command before any rollout: sampling length, the
     checkpoints named, the loss guard, then the loss config's keys and values. Returns the
     backend; says the SkyRL note where it applies (``note``)."""
-
     server.check_max_tokens(opts.max_tokens)
     server.check_checkpoint(opts.init_checkpoint, "--init-checkpoint", "training")
     server.check_checkpoint(opts.kl_reference, "--kl-reference", "sampler")
@@ -223,7 +221,6 @@ class RL(Recipe):
 
     def prepare(self, opts: RLOptions, stdin=None, dry_run=False) -> tuple[RLPlan, None]:
         """Check flags, model, renderer and data, and count the steps; no server, no writes."""
-
         config = check_policy_flags(opts)
         reward = None
         if opts.reward:

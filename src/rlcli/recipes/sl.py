@@ -76,7 +76,6 @@ class SLPlan(Plan):
 def load_dataset(opts: SLOptions, run_dir: Path, stdin) -> tuple[list[dict], Path]:
     """The validated conversations and the file the recipe will read (``base.read_input``:
     stdin and tables are kept in the run folder by ``commit``)."""
-
     kept = run_dir / DATASET_FILE
     if tables.is_table(opts.dataset):  # read through `datasets`, kept like stdin
         rows, source = tables.read_rows(opts.dataset)
@@ -94,7 +93,6 @@ class SL(Recipe):
 
     def prepare(self, opts: SLOptions, stdin=None, dry_run=False) -> tuple[SLPlan, list[dict]]:
         """Validate the model, renderer and data, count what will be trained; writes nothing."""
-
         check_model_arg(opts.model)
         check_renderer(opts.renderer)
         if opts.eval_every and not opts.test_size:

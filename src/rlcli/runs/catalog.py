@@ -55,7 +55,6 @@ METRICS = {
 
 
 def runs_root() -> Path:
-
     return rlcli_home() / "runs"
 
 

@@ -29,7 +29,6 @@ from rlcli.runs.runner import CANCELLED_EXIT, PARENT_PID_ENV
 
 def tie_to_parent() -> None:
     """Die with the parent ``rlcli`` (SIGKILL from the kernel); exit now if it is gone."""
-
     expected = os.environ.get(PARENT_PID_ENV)
     die_with_parent(signal.SIGKILL)
     if expected and os.getppid() != int(expected):

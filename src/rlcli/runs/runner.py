@@ -63,7 +63,6 @@ PARENT_PID_ENV = "RLCLI_PARENT_PID"  # the child checks its parent is still this
 
 
 def default_run_dir(kind: str) -> Path:
-
     return rlcli_home() / "runs" / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -163,7 +162,6 @@ class _HealthWatch(threading.Thread):
 
     def check(self) -> str | None:
         """None while the server is fine (or still loading its model); else what is wrong."""
-
         try:
             response = httpx.get(self.url, headers=endpoint.headers(), timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError as e:
@@ -327,7 +325,6 @@ def _outcome(run_dir, record, child, stop_reason, watch, base_url, resume_hint) 
 
 def start_record(run_dir: Path, spec: dict, total_steps: int, base_url: str | None) -> dict:
     """Record the run as running by this process, and list its folder in the run index."""
-
     run_dir = Path(run_dir).resolve()
     options = spec.get("options") or {}
     before = folder.read_record(run_dir) or {}
@@ -363,7 +360,6 @@ def end_record(run_dir: Path, record: dict, status: str, code: int, error: str |
 def register_run(run_dir: Path) -> None:
     """Add a run folder outside ``$RLCLI_HOME/runs`` to ``$RLCLI_HOME/runs/index.txt`` (one
     absolute path a line; gone folders dropped on the way), so ``rlcli runs`` finds it."""
-
     runs = rlcli_home() / "runs"
     run_dir = Path(run_dir).resolve()
     if run_dir.parent == runs.resolve():
