@@ -28,7 +28,6 @@ from rlcli.recipes.options import resume_command, saved
 from rlcli.runs.folder import CHECKPOINTS_FILE
 
 Report = Callable[[str], None]  # one line for the user (the CLI prints it to stderr)
-CHECKPOINTS = CHECKPOINTS_FILE  # the cookbook's: a run folder with one is resumed
 
 
 @dataclass
@@ -143,7 +142,7 @@ class Recipe:
 
 
 def resuming(run_dir: Path) -> bool:
-    return (Path(run_dir) / CHECKPOINTS).exists()
+    return (Path(run_dir) / CHECKPOINTS_FILE).exists()  # the cookbook's: one means resume
 
 
 def capped(steps: int, opts) -> int:

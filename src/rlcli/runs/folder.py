@@ -99,8 +99,7 @@ def add_to_index(runs_root: Path, run_dir: Path) -> None:
     # would be a lock on an old inode, and two runs starting at once could lose one.
     with (runs_root / ".index.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time; released on close
-        text = index.read_text() if index.exists() else ""
-        paths = [p for p in text.splitlines() if p.strip()]
+        paths = [str(p) for p in read_index(runs_root)]
         if str(run_dir) in paths and all(Path(p).is_dir() for p in paths):
             return
         kept = [p for p in dict.fromkeys([*paths, str(run_dir)]) if Path(p).is_dir()]
