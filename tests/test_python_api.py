@@ -48,6 +48,12 @@ def test_the_documented_example_trains_reports_and_exports(
     assert scope["checkpoints"][-1].sampler_path == saved[-1]["sampler_path"]
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     assert scope["exported"]["files"]
+    # export also takes the run itself (its last checkpoint), as `rlcli export RUN` does
+    from rlcli import export
+
+    by_run = export(str(tmp_path / "runs" / "first"), "by-run", base_url=server.base_url)
+    assert by_run["source"] == saved[-1]["sampler_path"]
+    assert (tmp_path / "by-run" / "adapter_model.safetensors").is_file()
     # The run is an ordinary run folder: `rlcli runs show` reads it, finished.
     from rlcli.runs import catalog
 

@@ -24,8 +24,9 @@ from typing import Any
 
 from rlcli import recipes
 from rlcli.client import evaluate as evaluating
-from rlcli.errors import RlcliError, RunFailed
+from rlcli.errors import RunFailed
 from rlcli.recipes.options import check
+from rlcli.runs.catalog import checkpoint_path
 from rlcli.runs.progress import describe_status
 
 
@@ -155,23 +156,12 @@ def export(
     """Run ``rlcli export``: ``source`` is a ``tinker://`` checkpoint, or a run (its id, a
     unique prefix, or its folder: its last checkpoint); ``output`` the folder (``gguf``: the
     file) to write. Returns what ``--json`` prints (the files written, the source)."""
-    from rlcli.client import endpoint
     from rlcli.client import export as exporting
 
-    if gguf and with_optimizer:
-        raise RlcliError("--gguf and --with-optimizer: a GGUF file has no optimizer state")
-    say = _Events(on_progress).message
-    path = source if source.startswith("tinker://") else exporting.from_run(source, with_optimizer)
-    exporting.check_source(path, with_optimizer)
-    url, where = endpoint.resolve_base_url(base_url)
-    endpoint.check_server(url, source=where, timeout=5)
-    say(endpoint.describe(url, where))
-    if gguf:
-        return exporting.export_gguf(
-            url, path, Path(output), gguf_type=gguf_type, base_model=base_model, force=force,
-            say=say,
-        )  # fmt: skip
-    return exporting.export(
-        url, path, Path(output), merge_model=merge, with_optimizer=with_optimizer,
-        base_model=base_model, force=force, say=say,
+    exporting.check_flags(gguf, with_optimizer)
+    path = source if source.startswith("tinker://") else checkpoint_path(source, with_optimizer)
+    return exporting.export_checkpoint(
+        path, Path(output), merge_model=merge, with_optimizer=with_optimizer, gguf=gguf,
+        gguf_type=gguf_type, base_model=base_model, force=force, base_url=base_url,
+        say=_Events(on_progress).message,
     )  # fmt: skip

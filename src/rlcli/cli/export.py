@@ -70,40 +70,25 @@ def export(
 
     DIR/rlcli_export.json records the source; `rlcli restore DIR` moves a --with-optimizer one.
     """
-    from rlcli.client import endpoint
     from rlcli.client import export as exporting
     from rlcli.runs import catalog
 
     if bool(run) == bool(checkpoint):
         raise RlcliError("pass a RUN folder or --checkpoint tinker://... (one of them)")
-    if gguf and with_optimizer:
-        raise RlcliError("--gguf and --with-optimizer: a GGUF file has no optimizer state")
     if gguf_type != "f16" and not gguf:
         raise RlcliError("--gguf-type: only with --gguf")
+    exporting.check_flags(gguf, with_optimizer)
     path = checkpoint or catalog.checkpoint_path(run, with_optimizer)
-    exporting.check_source(path, with_optimizer)
-    url, source = endpoint.resolve_base_url(base_url)
-    endpoint.check_server(url, source=source, timeout=5)
-    info(endpoint.describe(url, source))
+    result = exporting.export_checkpoint(
+        path, output, merge_model=merge, with_optimizer=with_optimizer, gguf=gguf,
+        gguf_type=gguf_type, base_model=base_model, force=force, base_url=base_url, say=info,
+    )  # fmt: skip
     if gguf:
-        result = exporting.export_gguf(
-            url, path, output, gguf_type=gguf_type, base_model=base_model, force=force, say=info
-        )
         if as_json:
             emit(result, as_json=True)
         else:
             emit({k: v for k, v in result.items() if k != "server"}, as_json=False, title="GGUF")
         return
-    result = exporting.export(
-        url,
-        path,
-        output,
-        merge_model=merge,
-        with_optimizer=with_optimizer,
-        base_model=base_model,
-        force=force,
-        say=info,
-    )
     if as_json:
         emit(result, as_json=True)
         return

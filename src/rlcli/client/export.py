@@ -218,6 +218,43 @@ def export(
     return {"output": str(out), **manifest, "files": files}
 
 
+def check_flags(gguf: bool, with_optimizer: bool) -> None:
+    """Flags that cannot go together, refused before a run's checkpoints are looked up."""
+    if gguf and with_optimizer:
+        raise RlcliError("--gguf and --with-optimizer: a GGUF file has no optimizer state")
+
+
+def export_checkpoint(
+    path: str,
+    out: Path,
+    *,
+    merge_model: bool = False,
+    with_optimizer: bool = False,
+    gguf: bool = False,
+    gguf_type: str = "f16",
+    base_model: str | None = None,
+    force: bool = False,
+    base_url: str | None = None,
+    say: Say = lambda _: None,
+) -> dict[str, Any]:
+    """``rlcli export`` once its source is a ``tinker://`` path (the CLI's and the Python
+    API's): the path checked before any server is asked, then the server found and the folder
+    (or, with ``gguf``, the file) written. The callers ``check_flags`` first."""
+    check_flags(gguf, with_optimizer)
+    check_source(path, with_optimizer)
+    url, where = endpoint.resolve_base_url(base_url)
+    endpoint.check_server(url, source=where, timeout=5)
+    say(endpoint.describe(url, where))
+    if gguf:
+        return export_gguf(
+            url, path, out, gguf_type=gguf_type, base_model=base_model, force=force, say=say
+        )
+    return export(
+        url, path, out, merge_model=merge_model, with_optimizer=with_optimizer,
+        base_model=base_model, force=force, say=say,
+    )  # fmt: skip
+
+
 def export_gguf(
     url: str,
     path: str,
