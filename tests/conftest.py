@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import fcntl
 import functools
 import logging
 import os
@@ -297,17 +298,20 @@ def old_sdk_python() -> str:
     )
     python = venv / "bin" / "python"
     probe = [str(python), "-c", "import tinker, tinker_cookbook; print(tinker.__version__)"]
-    if (
-        python.exists()
-        and subprocess.run(probe, capture_output=True, text=True).stdout.strip() == "0.25.0"
-    ):
-        return str(python)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    # torch first, pinned: a bare `torch` would resolve to a multi-GB CUDA build on a CPU box.
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "torch==2.13.0", *OLD_SDK],
-        check=True, timeout=1800,
-    )  # fmt: skip
+    # One builder at a time: pytest-xdist workers may all ask for it at once.
+    with open(f"{venv}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (
+            python.exists()
+            and subprocess.run(probe, capture_output=True, text=True).stdout.strip() == "0.25.0"
+        ):
+            return str(python)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        # torch first, pinned: a bare `torch` would resolve to a multi-GB CUDA build on a CPU box.
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "torch==2.13.0", *OLD_SDK],
+            check=True, timeout=1800,
+        )  # fmt: skip
     return str(python)
 
 

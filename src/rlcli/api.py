@@ -141,27 +141,18 @@ def evaluate(options, *, on_progress: OnProgress | None = None) -> dict:
 
 
 def export(
-    source: str,
-    output: str | Path,
-    *,
-    merge: bool = False,
-    with_optimizer: bool = False,
-    gguf: bool = False,
-    gguf_type: str = "f16",
-    base_model: str | None = None,
-    force: bool = False,
-    base_url: str | None = None,
-    on_progress: OnProgress | None = None,
+    source: str, output: str | Path, *, on_progress: OnProgress | None = None, **flags: Any
 ) -> dict[str, Any]:
     """Run ``rlcli export``: ``source`` is a ``tinker://`` checkpoint, or a run (its id, a
     unique prefix, or its folder: its last checkpoint); ``output`` the folder (``gguf``: the
-    file) to write. Returns what ``--json`` prints (the files written, the source)."""
+    file) to write; ``flags`` are its flags, as ``ExportOptions`` names them (``merge``,
+    ``with_optimizer``, ``gguf``, ``gguf_type``, ``base_model``, ``force``, ``base_url``).
+    Returns what ``--json`` prints (the files written, the source)."""
     from rlcli.client import export as exporting
 
-    exporting.check_flags(gguf, with_optimizer)
-    path = source if source.startswith("tinker://") else checkpoint_path(source, with_optimizer)
-    return exporting.export_checkpoint(
-        path, Path(output), merge_model=merge, with_optimizer=with_optimizer, gguf=gguf,
-        gguf_type=gguf_type, base_model=base_model, force=force, base_url=base_url,
-        say=_Events(on_progress).message,
-    )  # fmt: skip
+    options = exporting.ExportOptions(**flags)
+    exporting.check_flags(options.gguf, options.with_optimizer)
+    path = source
+    if not source.startswith("tinker://"):
+        path = checkpoint_path(source, options.with_optimizer)
+    return exporting.export_checkpoint(path, Path(output), options, _Events(on_progress).message)

@@ -6,6 +6,11 @@ import json
 import sys
 from typing import Any
 
+import typer
+
+# The --json switch most commands share (a few word their help for what they print).
+JSON = typer.Option(False, "--json", help="Print the result as JSON.")
+
 
 def emit(data: Any, *, as_json: bool, title: str | None = None) -> None:
     """``data`` as JSON, or for people: a mapping as key/value lines, a list of mappings as a

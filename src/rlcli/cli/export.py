@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from rlcli.cli._output import emit, info
+from rlcli.cli._output import JSON, emit, info
 from rlcli.errors import RlcliError
 
 BASE_URL = typer.Option(
@@ -62,7 +62,7 @@ def export(
         help="Replace an earlier export in the output folder (refused for any other folder).",
     ),
     base_url: str = BASE_URL,
-    as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
+    as_json: bool = JSON,
 ) -> None:
     """Export a checkpoint: a LoRA adapter folder in PEFT format, or with --merge a full model.
 
@@ -79,10 +79,11 @@ def export(
         raise RlcliError("--gguf-type: only with --gguf")
     exporting.check_flags(gguf, with_optimizer)
     path = checkpoint or catalog.checkpoint_path(run, with_optimizer)
-    result = exporting.export_checkpoint(
-        path, output, merge_model=merge, with_optimizer=with_optimizer, gguf=gguf,
-        gguf_type=gguf_type, base_model=base_model, force=force, base_url=base_url, say=info,
+    options = exporting.ExportOptions(
+        merge=merge, with_optimizer=with_optimizer, gguf=gguf, gguf_type=gguf_type,
+        base_model=base_model, force=force, base_url=base_url,
     )  # fmt: skip
+    result = exporting.export_checkpoint(path, output, options, say=info)
     if gguf:
         if as_json:
             emit(result, as_json=True)
@@ -109,7 +110,7 @@ def restore(
         help="Accept a server whose base model has another name (same weights, another path).",
     ),
     base_url: str = BASE_URL,
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    as_json: bool = JSON,
 ) -> None:
     """Put an exported training state on a server (rlcli's) under its original tinker:// path.
 

@@ -43,7 +43,7 @@ app.command("sample")(sample.sample)
 app.command("chat")(sample.chat)
 app.command("export")(export.export)
 app.command("restore")(export.restore)
-app.command("demo")(demo.demo)
+demo.register(app)
 app.command("import")(importer.import_)
 tinker_passthrough.register(app)
 

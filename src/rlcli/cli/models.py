@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from rlcli.cli._output import emit, info
+from rlcli.cli._output import JSON, emit, info
 from rlcli.errors import RlcliError
 
 app = typer.Typer(
@@ -20,7 +20,7 @@ def tiny(
     seed: int = typer.Option(0, help="Seed for the weights and the tokenizer corpus."),
     hidden_size: int = typer.Option(64, help="Width of the model."),
     layers: int = typer.Option(2, help="Number of transformer layers."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    as_json: bool = JSON,
 ) -> None:
     """Build a tiny Qwen3 model offline, for tests and smoke tests.
 
@@ -37,7 +37,7 @@ def tiny(
 def import_gguf(
     gguf_file: Path = typer.Argument(..., help="A .gguf file (needs: pip install 'rlcli[gguf]')."),
     out: Path = typer.Argument(..., help="Folder to write the converted model into."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    as_json: bool = JSON,
 ) -> None:
     """Convert a GGUF model to a transformers folder (weights dequantized to float32)."""
     import importlib.util

@@ -9,13 +9,12 @@ from pathlib import Path
 import typer
 
 from rlcli import recipes
-from rlcli.cli._output import emit, info
+from rlcli.cli._output import JSON, emit, info
 from rlcli.recipes.options import resume_command
 from rlcli.runs.progress import Follower
 
 app = typer.Typer(help="Training runs: list, show, plot, cancel.", no_args_is_help=True)
 
-JSON = typer.Option(False, "--json", help="Print results as JSON.")
 RUN = typer.Argument(..., help="Run id (folder name, or a unique prefix) or folder.")
 
 

@@ -155,34 +155,21 @@ def start(
         max_upload_gb=max_upload_gb,
         api_key=api_key,
     )
-    env = {torch_backend.API_KEY_ENV: api_key} if api_key else {}
-    command = torch_backend.server_command(options)
+    launch = torch_backend.launch(options)
     if dry_run:
-        emit({"backend": backend, "command": shlex.join(command)}, as_json=as_json)
+        emit({"backend": backend, "command": shlex.join(launch.command)}, as_json=as_json)
         return
     if foreground:
         info(f"serving {options.base_model} on {host}:{port} in the foreground (pid {os.getpid()})")
         info(f"OpenAI-compatible API: http://{host}:{port}/v1")
-        code = process.run_foreground(
-            home, command, host=host, port=port, base_model=options.base_model,
-            backend=backend, env=env,
-        )  # fmt: skip
+        code = process.run_foreground(home, launch)
         if code < 0:  # the server died of a signal: end the same way, as a supervisor expects
             signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
         raise typer.Exit(code)
     info(f"starting the {backend} server for {options.base_model} on {host}:{port} ...")
     # Raises, leaving nothing running, unless the server becomes healthy within --wait.
-    record, _ = process.start_detached(
-        home,
-        command,
-        host=host,
-        port=port,
-        base_model=options.base_model,
-        backend=backend,
-        wait=wait,
-        env=env,
-    )
+    record, _ = process.start_detached(home, launch, wait=wait)
     result = {"base_url": record.base_url, "pid": record.pid, "healthy": True}
     result["openai_base_url"] = f"{record.base_url}/v1"
     result["log"] = record.log_path

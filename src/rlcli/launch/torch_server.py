@@ -79,13 +79,16 @@ def start(
     home: Path, options: TorchServerOptions, *, wait: float
 ) -> tuple[process.ServerRecord, bool]:
     """Start our server detached under ``home`` (see ``process.start_detached``)."""
-    return process.start_detached(
-        home,
+    return process.start_detached(home, launch(options), wait=wait)
+
+
+def launch(options: TorchServerOptions) -> process.Launch:
+    """Our server's command line, with the API key passed in its environment (not argv)."""
+    return process.Launch(
         server_command(options),
         host=options.host,
         port=options.port,
         base_model=options.base_model,
         backend="torch",
-        wait=wait,
-        env={API_KEY_ENV: options.api_key} if options.api_key else None,
+        env={API_KEY_ENV: options.api_key} if options.api_key else {},
     )
