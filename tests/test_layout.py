@@ -22,7 +22,7 @@ LAYERS = [
     ("server", ["rlcli.server."]),
     ("base", ["rlcli.models.", "rlcli.compat.", "rlcli.data.", "rlcli.files.",
               "rlcli.checkpoint_format", "rlcli.errors", "rlcli.home", "rlcli.versions",
-              "rlcli.runs.folder"]),
+              "rlcli.runs.folder", "rlcli.flags"]),
 ]  # fmt: skip
 # Known arrows against the order, each with its reason; the list only shrinks.
 EXCEPTIONS: dict[tuple[str, str], str] = {}

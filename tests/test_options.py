@@ -1,6 +1,7 @@
-"""The option machinery of `rlcli train` (recipes/options.py): one declaration per option gives
-the flags, `--help` defaults, the `--config` file loader and its one-line errors, the checks and
-the saved `config.yaml`; plus the seams on the pinned cookbook it relies on. Fast: no server."""
+"""The option machinery (``rlcli/flags.py``) and ``rlcli train``'s options
+(``recipes/options.py``): one declaration per option gives the flags, ``--help`` defaults, the
+``--config`` file loader and its one-line errors, the checks and the saved ``config.yaml``; plus
+the seams on the pinned cookbook it relies on. Fast: no server."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from rlcli import flags
 from rlcli.errors import RlcliError
+from rlcli.flags import option, retune
 from rlcli.recipes import options
-from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
+from rlcli.recipes.options import PolicyOptions, TrainOptions
 from rlcli.recipes.rl import RLOptions
 from rlcli.recipes.sl import SLOptions
 
@@ -31,7 +34,7 @@ class DemoOptions(TrainOptions):
 
 def demo_app() -> tuple[typer.Typer, list]:
     app, got = typer.Typer(), []
-    options.typer_command(app, "demo", DemoOptions, got.append, help="A demo command.")
+    flags.typer_command(app, "demo", DemoOptions, got.append, help="A demo command.")
     app.command("other")(lambda: None)  # two commands, so "demo" stays a subcommand
     return app, got
 
@@ -125,8 +128,8 @@ def test_saved_config_round_trips_through_the_loader(tmp_path):
     text = path.read_text()
     assert path.name == "config.yaml" and "clip_low_threshold: 0.9" in text  # a mapping
     assert "dry_run" not in text and "log_path" not in text
-    again = options.load(RLOptions, {"config": str(path)}, set())
-    assert options.saved(again) == {**options.saved(opts), "log_path": None}
+    again = flags.load(RLOptions, {"config": str(path)}, set())
+    assert flags.saved(again) == {**flags.saved(opts), "log_path": None}
 
 
 def test_resume_command_points_at_the_saved_config(tmp_path):
@@ -217,12 +220,12 @@ def test_help_texts_have_no_invalid_examples():
 
 def test_cli_check_messages():
     with pytest.raises(RlcliError, match=r"--loss grpo: choose from importance_sampling"):
-        options.check(RLOptions(model="m", loss="grpo"))
+        flags.check(RLOptions(model="m", loss="grpo"))
     with pytest.raises(RlcliError, match=r"--test-size 1.0: must be in \[0, 1\)"):
-        options.check(SLOptions(model="m", dataset="d", test_size=1.0))
+        flags.check(SLOptions(model="m", dataset="d", test_size=1.0))
     with pytest.raises(RlcliError, match=r"--lr 0.0: must be greater than 0"):
-        options.check(SLOptions(model="m", dataset="d", lr=0.0))
-    options.check(RLOptions(model="m"))  # the defaults pass their own checks
+        flags.check(SLOptions(model="m", dataset="d", lr=0.0))
+    flags.check(RLOptions(model="m"))  # the defaults pass their own checks
 
 
 def test_config_path_errors(tmp_path):

@@ -378,8 +378,8 @@ def test_schedule_warmup_eval_every_and_train_on_reach_a_parquet_run(
 
 
 def test_train_on_last_puts_weight_on_the_last_assistant_message_only(tmp_path, tiny_model):
+    from rlcli.flags import saved
     from rlcli.recipes import sl
-    from rlcli.recipes.options import saved
 
     turns = ["Hi.", "Hello there, how can I help?", "Name a colour.", "Blue."]
     chat = [

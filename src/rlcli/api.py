@@ -25,7 +25,7 @@ from typing import Any
 from rlcli import recipes
 from rlcli.client import evaluate as evaluating
 from rlcli.errors import RunFailed
-from rlcli.recipes.options import check
+from rlcli.flags import check
 from rlcli.runs.catalog import checkpoint_path
 from rlcli.runs.progress import describe_status
 
@@ -150,7 +150,8 @@ def export(
     Returns what ``--json`` prints (the files written, the source)."""
     from rlcli.client import export as exporting
 
-    options = exporting.ExportOptions(**flags)
+    options = exporting.ExportOptions(output=str(output), **flags)
+    check(options)
     exporting.check_flags(options.gguf, options.with_optimizer)
     path = source
     if not source.startswith("tinker://"):

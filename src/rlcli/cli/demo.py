@@ -47,6 +47,6 @@ def _arrow(values: list[float], fmt: str) -> str:
 def register(app) -> None:
     """``rlcli demo`` on ``app``: one flag per field of ``DemoConfig``."""
     from rlcli.demo.run import DemoConfig
-    from rlcli.recipes.options import typer_command
+    from rlcli.flags import typer_command
 
     typer_command(app, "demo", DemoConfig, demo, help=demo.__doc__)

@@ -11,9 +11,9 @@ import sys
 
 import typer
 
+from rlcli import flags
 from rlcli.cli._output import emit, info
 from rlcli.client.evaluate import EvalOptions, evaluate
-from rlcli.recipes import options
 
 app = typer.Typer(
     help="Evaluate a policy: reward statistics on an environment.", no_args_is_help=True
@@ -154,7 +154,7 @@ def run(opts: EvalOptions) -> None:
         table(result)
 
 
-options.typer_command(
+flags.typer_command(
     app,
     "rl",
     EvalOptions,

@@ -13,8 +13,9 @@ import sys
 
 import typer
 
+from rlcli import flags
 from rlcli.cli._output import emit, info
-from rlcli.recipes import REGISTRY, get, options
+from rlcli.recipes import REGISTRY, get
 
 app = typer.Typer(
     help="Train: supervised fine-tuning (sl), RL on an environment (rl), preference pairs (dpo), "
@@ -52,7 +53,7 @@ def _train(recipe, opts) -> None:
 
 def _register(name: str) -> None:
     recipe = get(name)
-    options.typer_command(
+    flags.typer_command(
         app, name, recipe.options, lambda opts: _train(recipe, opts), help=recipe.help
     )
 

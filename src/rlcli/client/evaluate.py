@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 from rlcli import envs
 from rlcli.errors import RlcliError
-from rlcli.recipes.options import option
+from rlcli.flags import BASE_URL_HELP, option
 
 MAX_GENERATED_TASKS = 10_000  # a generated environment (arithmetic, niah) has no size of its own
 Report = Callable[[str, int, int], None]  # (policy label, tasks done, tasks in all)
@@ -80,11 +80,7 @@ class EvalOptions:
     env_timeout: int = option(
         3600, "Harbor: seconds an episode's container may live (it is removed after).", min=1
     )
-    base_url: str | None = option(
-        None,
-        "Tinker server (default: $TINKER_BASE_URL, else the server `rlcli serve` runs here, "
-        "else http://localhost:8000).",
-    )
+    base_url: str | None = option(None, BASE_URL_HELP)
     config: str | None = option(
         None, "YAML or TOML file of options (flags override it).", saved=False
     )

@@ -37,6 +37,7 @@ from rlcli.checkpoint_format import ARCHIVE_FILES, RESTORE_FILES, STATE_FILES
 from rlcli.client import endpoint
 from rlcli.client.sample_chat import split_tinker_path
 from rlcli.errors import RlcliError
+from rlcli.flags import BASE_URL_HELP, option
 
 MANIFEST = "rlcli_export.json"  # where it came from: restore reads the tinker:// path here
 
@@ -227,15 +228,60 @@ def check_flags(gguf: bool, with_optimizer: bool) -> None:
 
 @dataclass(kw_only=True)
 class ExportOptions:
-    """``rlcli export``'s flags (the Python API's ``export`` takes them as keywords)."""
+    """``rlcli export``'s flags (``rlcli.flags``); the Python API's ``export`` takes them as
+    keywords."""
 
-    merge: bool = False  # the adapter merged into its base model: a transformers folder
-    with_optimizer: bool = False  # a training state, with optimizer.pt and run.json
-    gguf: bool = False  # one .gguf file of the merged model
-    gguf_type: str = "f16"
-    base_model: str | None = None  # where to load the base model from (default: the checkpoint's)
-    force: bool = False  # replace an earlier export
-    base_url: str | None = None
+    run: str | None = option(
+        None,
+        "A run, as `rlcli runs` takes it (its id, a unique prefix, or its folder): its last "
+        "checkpoint.",
+        argument=True,
+    )
+    checkpoint: str | None = option(
+        None, "tinker://RUN/(weights|sampler_weights)/NAME.", flags=("-c",)
+    )
+    output: str = option(
+        help="Folder to write (new or empty); with --gguf, a .gguf file.", flags=("-o",)
+    )
+    merge: bool = option(
+        False,
+        "Merge the adapter into the base model: a transformers model folder "
+        "(AutoModelForCausalLM.from_pretrained loads it; so does vLLM).",
+    )
+    with_optimizer: bool = option(
+        False,
+        "A training state (weights/...) with its optimizer.pt and run.json, so `rlcli restore` "
+        "can continue the run on another server.",
+    )
+    gguf: bool = option(
+        False,
+        "One .gguf file of the merged model (base + LoRA) for llama.cpp, Ollama, LM Studio: -o "
+        "names the file. Llama (SmolLM2) and Qwen2/Qwen3 models.",
+    )
+    gguf_type: str = option(
+        "f16", "With --gguf: the weights' type.", choices=("f16", "bf16", "q8_0")
+    )
+    base_model: str | None = option(
+        None, "With --merge/--gguf: where to load the base model from (default: the checkpoint's)."
+    )
+    force: bool = option(
+        False, "Replace an earlier export in the output folder (refused for any other folder)."
+    )
+    base_url: str | None = option(None, BASE_URL_HELP)
+    json: bool = option(False, "Print what was written as JSON.", saved=False)
+
+
+@dataclass(kw_only=True)
+class RestoreOptions:
+    """``rlcli restore``'s flags."""
+
+    folder: str = option(help="A folder `rlcli export --with-optimizer` wrote.", argument=True)
+    overwrite: bool = option(False, "Replace a checkpoint of that path already on the server.")
+    force: bool = option(
+        False, "Accept a server whose base model has another name (same weights, another path)."
+    )
+    base_url: str | None = option(None, BASE_URL_HELP)
+    json: bool = option(False, "Print the result as JSON.", saved=False)
 
 
 def export_checkpoint(
@@ -245,6 +291,8 @@ def export_checkpoint(
     API's): the path checked before any server is asked, then the server found and the folder
     (or, with ``gguf``, the file) written. The callers ``check_flags`` first."""
     o = options
+    if o.gguf_type != "f16" and not o.gguf:
+        raise RlcliError("--gguf-type: only with --gguf")
     check_flags(o.gguf, o.with_optimizer)
     check_source(path, o.with_optimizer)
     url, where = endpoint.resolve_base_url(o.base_url)

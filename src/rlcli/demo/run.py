@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rlcli.errors import RlcliError
+from rlcli.flags import option
 from rlcli.models import gguf, names, tiny
 from rlcli.models.tokenizer import end_of_turn_id
-from rlcli.recipes.options import option
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Held out of the SFT data: the before/after comparison is on questions it never trained on.
@@ -40,7 +40,7 @@ SHORT_WORDS, LONG_WORDS = 8, 30  # the RL reward: 1 at <= 8 words, 0 at >= 30 or
 
 @dataclass(kw_only=True)
 class DemoConfig:
-    """Every knob of the demo, each a flag of ``rlcli demo`` (``recipes/options.option``);
+    """Every knob of the demo, each a flag of ``rlcli demo`` (``rlcli.flags``);
     ``minutes`` sets the step counts that are left at None."""
 
     base_model: str | None = option(

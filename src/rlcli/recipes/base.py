@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 from rlcli.data.chat import stdin_text
 from rlcli.errors import RlcliError
 from rlcli.files import atomic
-from rlcli.recipes.options import resume_command, saved
+from rlcli.flags import saved
+from rlcli.recipes.options import resume_command
 from rlcli.runs.folder import CHECKPOINTS_FILE
 
 Report = Callable[[str], None]  # one line for the user (the CLI prints it to stderr)

@@ -21,9 +21,10 @@ from rlcli.compat.renderer_choice import resolve_renderer
 from rlcli.compat.run_hooks import install_dpo_hooks
 from rlcli.data.pairs import read_pairs
 from rlcli.errors import RlcliError
+from rlcli.flags import option, retune
 from rlcli.recipes import base
 from rlcli.recipes.base import Plan, Recipe
-from rlcli.recipes.options import TrainOptions, option, retune
+from rlcli.recipes.options import TrainOptions
 from rlcli.recipes.preflight import check_model_arg, check_renderer
 from rlcli.recipes.sl import chat_builder_config
 from rlcli.runs.runner import metric_values

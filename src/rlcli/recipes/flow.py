@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rlcli import flags
 from rlcli.client import endpoint
 from rlcli.compat import renderer_choice
 from rlcli.errors import RlcliError
@@ -82,7 +83,7 @@ def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
     run_opts = recipe.resolved(opts, plan, url)
     options.check_same_run(Path(plan.run_dir), run_opts, recipe.command)
     say(f"renderer: {plan.renderer} ({plan.renderer_source})")
-    outcome = Outcome(plan, options.saved(run_opts))
+    outcome = Outcome(plan, flags.saved(run_opts))
     if opts.dry_run:
         return outcome
     say(endpoint.describe(url, source))

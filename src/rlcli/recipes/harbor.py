@@ -23,12 +23,13 @@ from rlcli.compat import harbor_hooks
 from rlcli.compat.harbor_hooks import import_harbor_env
 from rlcli.compat.renderer_choice import resolve_renderer
 from rlcli.errors import RlcliError
+from rlcli.flags import option, retune
 from rlcli.harbor import docker
 from rlcli.harbor.docker import STATS_FILE, DockerSandboxFactory
 from rlcli.harbor.tasks import GRADER_TIMEOUT_S, MAX_TRAJECTORY_TOKENS, dataset_tasks
 from rlcli.recipes import base
 from rlcli.recipes.base import Recipe
-from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
+from rlcli.recipes.options import PolicyOptions, TrainOptions
 from rlcli.recipes.rl import (
     PolicyPlan,
     check_policy_flags,

@@ -22,9 +22,10 @@ from rlcli.compat import distill
 from rlcli.compat.renderer_choice import resolve_renderer
 from rlcli.data.prompts import read_prompts, shuffled_prompts
 from rlcli.errors import RlcliError
+from rlcli.flags import option, retune
 from rlcli.recipes import base, loss_guard, preflight
 from rlcli.recipes.base import Plan, Recipe
-from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
+from rlcli.recipes.options import PolicyOptions, TrainOptions
 from rlcli.recipes.preflight import check_model_arg, check_renderer
 from rlcli.recipes.rl import check_policy_server, parse_loss_config, seed_sampling
 from rlcli.runs.runner import metric_values

@@ -21,9 +21,10 @@ from rlcli.compat.skyrl_client import bounded_seed
 from rlcli.data import gsm8k
 from rlcli.envs.reward_fn import ERRORS_FILE, check_spec
 from rlcli.errors import RlcliError
+from rlcli.flags import option, retune
 from rlcli.recipes import base, loss_guard
 from rlcli.recipes.base import Plan, Recipe
-from rlcli.recipes.options import PolicyOptions, TrainOptions, option, retune
+from rlcli.recipes.options import PolicyOptions, TrainOptions
 from rlcli.recipes.preflight import check_model_arg, check_renderer
 from rlcli.runs.runner import metric_values
 

@@ -18,9 +18,10 @@ from rlcli.compat.run_hooks import install_lr_warmup
 from rlcli.data import tables
 from rlcli.data.chat import read_conversations
 from rlcli.errors import RlcliError
+from rlcli.flags import option, retune
 from rlcli.recipes import base
 from rlcli.recipes.base import Plan, Recipe
-from rlcli.recipes.options import TrainOptions, option, retune
+from rlcli.recipes.options import TrainOptions
 from rlcli.recipes.preflight import check_model_arg, check_renderer
 from rlcli.runs.runner import metric_values
 

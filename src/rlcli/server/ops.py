@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastapi.responses import Response
 
@@ -24,16 +24,24 @@ if TYPE_CHECKING:
 
 @dataclass
 class Op:
+    # Most answers are a Tinker response ``{"type": reply_type}`` plus some of the engine's
+    # return value (``reply_keys``); an op without a reply_type answers the value itself.
+    reply_type: ClassVar[str | None] = None
+    reply_keys: ClassVar[tuple[str, ...]] = ()
+
     def run(self, engine: Engine) -> Any:
         raise NotImplementedError
 
-    @staticmethod
-    def answer(value: Any, accept_proto: bool) -> Any:
-        return value
+    @classmethod
+    def answer(cls, value: Any, accept_proto: bool) -> Any:
+        if cls.reply_type is None:
+            return value
+        return {"type": cls.reply_type, **{key: value[key] for key in cls.reply_keys}}
 
 
 @dataclass
 class CreateAdapter(Op):
+    reply_type, reply_keys = "create_model", ("model_id",)
     name: str
     rank: int
     seed: int | None
@@ -57,21 +65,14 @@ class CreateAdapter(Op):
                 raise
         return out
 
-    @staticmethod
-    def answer(value: Any, accept_proto: bool) -> Any:
-        return {"type": "create_model", "model_id": value["model_id"]}
-
 
 @dataclass
 class RemoveAdapter(Op):
+    reply_type, reply_keys = "unload_model", ("model_id",)
     name: str
 
     def run(self, engine: Engine) -> Any:
         return engine.remove_adapter(self.name)
-
-    @staticmethod
-    def answer(value: Any, accept_proto: bool) -> Any:
-        return {"type": "unload_model", "model_id": value["model_id"]}
 
 
 @dataclass
@@ -111,6 +112,7 @@ class OptimStep(Op):
 
 @dataclass
 class SaveState(Op):
+    reply_type, reply_keys = "save_weights", ("path",)
     model_id: str
     directory: str
     meta: dict[str, Any]
@@ -118,29 +120,20 @@ class SaveState(Op):
     def run(self, engine: Engine) -> Any:
         return engine.save_state(self.model_id, self.directory, self.meta)
 
-    @staticmethod
-    def answer(value: Any, accept_proto: bool) -> Any:
-        return {"type": "save_weights", "path": value["path"]}
-
 
 @dataclass
 class SaveExternal(SaveState):
     """tinker>=0.38 ``save_weights_external``: the adapter alone, as files to download."""
 
+    reply_type, reply_keys = "save_weights_external", ("path", "size_bytes")
+
     def run(self, engine: Engine) -> Any:
         return engine.save_state(self.model_id, self.directory, self.meta, with_optimizer=False)
-
-    @staticmethod
-    def answer(value: Any, accept_proto: bool) -> Any:
-        return {
-            "type": "save_weights_external",
-            "path": value["path"],
-            "size_bytes": value["size_bytes"],
-        }
 
 
 @dataclass
 class LoadState(Op):
+    reply_type, reply_keys = "load_weights", ("path", "model_id")
     model_id: str
     directory: str
     optimizer: bool
@@ -148,10 +141,6 @@ class LoadState(Op):
 
     def run(self, engine: Engine) -> Any:
         return engine.load_state(self.model_id, self.directory, self.optimizer, self.path)
-
-    @staticmethod
-    def answer(value: Any, accept_proto: bool) -> Any:
-        return {"type": "load_weights", "path": value["path"], "model_id": value["model_id"]}
 
 
 @dataclass
