@@ -79,6 +79,22 @@ def pytest_make_collect_report(collector):  # a module that skips itself as a wh
     return _refuse_unlisted_skip((yield))
 
 
+# The files that take longest (docs/testing.md), run first: pytest-xdist (pyproject's addopts,
+# `-n 2 --dist loadfile`) hands whole files to its workers in collection order, so a long file
+# collected last would leave one worker running it alone at the end.
+LONGEST_FIRST = [
+    "test_train_rl.py", "test_run_control.py", "test_train_opsd.py", "test_train_sl.py",
+    "test_skyrl_jax.py", "test_resume.py", "test_train_harbor.py", "test_bf16_rl.py",
+    "test_gguf_export.py", "test_eval.py", "test_train_dpo.py", "test_runs.py",
+    "test_checkpoints.py", "test_endpoint.py", "test_models.py",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within kept
+
+
 def run_rlcli(
     *args, stdin=None, env=None, timeout=600, without: str | None = None, cwd=None
 ) -> subprocess.CompletedProcess:
