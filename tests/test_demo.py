@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import run_rlcli
 from rlcli.demo.run import DemoConfig, reward, steps_for, style_rate
-from rlcli.launch.process import pid_alive
+from rlcli.launch.pids import pid_alive
 
 
 def test_demo_reports_before_after_writes_curves_and_stops_its_server(tmp_path, tiny_model):

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from conftest import GSM8K, cli, run_rlcli
-from rlcli.launch import process
+from rlcli.launch import pids, process
 
 DEAD_URL = "http://127.0.0.1:9"
 
@@ -28,7 +28,7 @@ def test_resolution_order_is_flag_env_running_server_default(tmp_path, monkeypat
     assert endpoint.resolve_base_url(None) == ("http://localhost:8000", "the default")
     me = process.ServerRecord(
         pid=os.getpid(), host="127.0.0.1", port=8123, base_model="m", backend="torch",
-        log_path="x", start_ticks=process.start_ticks(os.getpid()),
+        log_path="x", start_ticks=pids.start_ticks(os.getpid()),
     )  # fmt: skip
     (tmp_path / "server.json").write_text(json.dumps(me.__dict__))
     url, source = endpoint.resolve_base_url(None)

@@ -20,7 +20,7 @@ import tinker
 from tinker import types
 
 from conftest import cli, start_server
-from rlcli.launch import process
+from rlcli.launch import pids
 
 
 def _engine_pid(server_pid: int) -> int:
@@ -78,9 +78,9 @@ def test_a_dead_engine_fails_every_request_fast_and_the_server_exits(tmp_path, t
     assert late.status_code == 503 and late.headers.get("x-should-retry") == "false"
     assert "engine unavailable" in late.json()["detail"]
     deadline = time.monotonic() + 20
-    while process.pid_alive(record.pid) and time.monotonic() < deadline:
+    while pids.pid_alive(record.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not process.pid_alive(record.pid), "the server should exit after the engine died"
+    assert not pids.pid_alive(record.pid), "the server should exit after the engine died"
     log = Path(record.log_path).read_text()
     assert "the engine process exited" in log
     status = cli("serve", "status", "--json", env={"RLCLI_HOME": str(home)})

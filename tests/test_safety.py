@@ -333,22 +333,22 @@ def test_exposed_servers_need_a_key(tmp_path, guarded):
 def orphaned_session() -> tuple[int, int, int, int]:
     """A nohup-style job: a session whose leader exited, its member still running.
     (the dead leader's pid, its start ticks, the member's pid, its start ticks)"""
-    from rlcli.launch import process
+    from rlcli.launch import pids
 
     leader = subprocess.Popen(
         ["sh", "-c", "sleep 600 >/dev/null 2>&1 & sleep 0.5"], start_new_session=True
     )
-    leader_ticks = process.start_ticks(leader.pid)
+    leader_ticks = pids.start_ticks(leader.pid)
     leader.wait()
-    (member,) = process.family(leader.pid)  # found by its session id: the old leader's pid
-    return leader.pid, leader_ticks, member, process.start_ticks(member)
+    (member,) = pids.family(leader.pid)  # found by its session id: the old leader's pid
+    return leader.pid, leader_ticks, member, pids.start_ticks(member)
 
 
 def test_stop_signals_only_what_the_server_record_names(tmp_path):
     from typer.testing import CliRunner
 
     from rlcli.cli.main import app
-    from rlcli.launch import process
+    from rlcli.launch import pids
 
     leader, leader_ticks, member, member_ticks = orphaned_session()
     this_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -369,19 +369,19 @@ def test_stop_signals_only_what_the_server_record_names(tmp_path):
         # id of someone's job: the job is not ours, whatever boot the record is from.
         for boot in (this_boot, other_boot, None):
             stop_with(pid=leader, start_ticks=leader_ticks, boot_id=boot)
-            assert process.pid_alive(member)
+            assert pids.pid_alive(member)
         # After a reboot the same pid with the same start time is another process.
         out = stop_with(pid=member, start_ticks=member_ticks, boot_id=other_boot)
-        assert "stale record" in out and process.pid_alive(member)
+        assert "stale record" in out and pids.pid_alive(member)
         # Members recorded in another boot are not ours either; in this boot they are.
         members = {str(member): member_ticks}
         stop_with(pid=leader, start_ticks=leader_ticks, boot_id=other_boot, members=members)
-        assert process.pid_alive(member)
+        assert pids.pid_alive(member)
         stop_with(pid=leader, start_ticks=leader_ticks, boot_id=this_boot, members=members)
         deadline = time.monotonic() + 10
-        while process.pid_alive(member) and time.monotonic() < deadline:
+        while pids.pid_alive(member) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not process.pid_alive(member)
+        assert not pids.pid_alive(member)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(member, signal.SIGKILL)

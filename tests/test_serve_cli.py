@@ -15,7 +15,7 @@ import pytest
 
 from conftest import RLCLI, cli, run_rlcli
 from rlcli.demo.run import free_port
-from rlcli.launch.process import pid_alive
+from rlcli.launch.pids import pid_alive
 
 
 def rlcli(home, *args, timeout=180) -> subprocess.CompletedProcess:
@@ -184,7 +184,7 @@ def test_stop_never_signals_a_pid_that_is_no_longer_our_server(home):
 
 def test_status_exits_nonzero_when_the_server_is_not_healthy(home):
     # A live process recorded as the server, with nothing answering on its port.
-    from rlcli.launch.process import start_ticks
+    from rlcli.launch.pids import start_ticks
 
     impostor = subprocess.Popen(["sleep", "60"])
     try:

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import run_rlcli
 from rlcli.compat import distill, skyrl_client
-from rlcli.launch import process
+from rlcli.launch import pids, process
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def skyrl_server(skyrl_env, tiny_model):
 
 
 def alive(members: dict[int, int | None]) -> list[int]:
-    return [p for p, t in members.items() if process.pid_alive(p) and process.start_ticks(p) == t]
+    return [p for p, t in members.items() if pids.pid_alive(p) and pids.start_ticks(p) == t]
 
 
 def cmdline(pid: int) -> list[str]:
@@ -173,18 +173,18 @@ def test_sampling_seed_must_fit_int32(skyrl_server, tiny_model):
 
 
 def test_serve_stop_leaves_no_process_behind(skyrl_server, skyrl_env):
-    members = process.family(skyrl_server.pid)
+    members = pids.family(skyrl_server.pid)
     names = " ".join(" ".join(cmdline(p)) for p in members)
     assert "skyrl.tinker.api" in names and "skyrl.tinker.engine" in names  # uv run, both
     result = run_rlcli("serve", "stop", env=skyrl_env)
     assert result.returncode == 0 and "stopped the server" in result.stderr
     assert alive({skyrl_server.pid: skyrl_server.start_ticks, **members}) == []
-    assert process.family(skyrl_server.pid) == {}
+    assert pids.family(skyrl_server.pid) == {}
 
 
 def test_serve_stop_after_the_engine_died_leaves_nothing(skyrl_env, tiny_model):
     record = start(skyrl_env, tiny_model)
-    members = process.family(record.pid)
+    members = pids.family(record.pid)
     engine = [
         p for p in members
         if "skyrl.tinker.engine" in cmdline(p) and cmdline(p)[0].endswith(("python", "python3"))
@@ -192,9 +192,9 @@ def test_serve_stop_after_the_engine_died_leaves_nothing(skyrl_env, tiny_model):
     assert len(engine) == 1, [cmdline(p) for p in members]
     os.kill(engine[0], signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while process.pid_alive(engine[0]) and time.monotonic() < deadline:
+    while pids.pid_alive(engine[0]) and time.monotonic() < deadline:
         time.sleep(0.2)
     result = run_rlcli("serve", "stop", env=skyrl_env)
     assert result.returncode == 0, result.stderr
     assert alive({record.pid: record.start_ticks, **members}) == []
-    assert process.family(record.pid) == {}
+    assert pids.family(record.pid) == {}

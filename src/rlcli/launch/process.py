@@ -34,6 +34,7 @@ import httpx
 
 from rlcli.errors import RlcliError
 from rlcli.files import atomic, lastline
+from rlcli.launch import pids
 
 LOADING = "loading the base model"  # what /api/v1/healthz says while the engine starts
 
@@ -85,9 +86,9 @@ class Launch:
             backend=self.backend,
             log_path=str(log),
             command=self.command,
-            start_ticks=start_ticks(pid),
+            start_ticks=pids.start_ticks(pid),
             foreground=foreground,
-            boot_id=boot_id(),
+            boot_id=pids.boot_id(),
         )
 
 
@@ -119,50 +120,16 @@ def _remove_record_of(home: Path, pid: int) -> None:
         state_path(home).unlink(missing_ok=True)
 
 
-def start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks after boot (``/proc/<pid>/stat`` field 22)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # Field 2 (the command name) is in parentheses and may hold spaces: split after it.
-    fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[19])  # fields[0] is field 3 (state), so field 22 is fields[19]
-
-
-def boot_id() -> str | None:
-    """This boot's id (a new one after every reboot)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped by its parent) still answers kill(0).
-    with contextlib.suppress(OSError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-    return True
-
-
 def is_ours(record: ServerRecord) -> bool:
     """The recorded pid is alive and is still the process that was recorded (same boot, same
     start time)."""
-    if record.boot_id is not None and record.boot_id != boot_id():
+    if record.boot_id is not None and record.boot_id != pids.boot_id():
         return False  # another boot: whatever has that pid now is not ours
-    if not pid_alive(record.pid):
+    if not pids.pid_alive(record.pid):
         return False
     if record.start_ticks is None:  # a record from before start times were kept
         return True
-    return start_ticks(record.pid) == record.start_ticks
+    return pids.start_ticks(record.pid) == record.start_ticks
 
 
 def live_record(home: Path) -> tuple[ServerRecord | None, ServerRecord | None]:
@@ -270,49 +237,10 @@ def last_error_line(path: Path, offset: int = 0, fallback: bool = True) -> str |
     return lastline.last_line(text, 400) or "(the log is empty)"
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send ``sig`` to this process when its parent dies (PR_SET_PDEATHSIG).
-
-    Called in a child (a ``preexec_fn`` or the child's first lines); a parent that died before
-    the call is caught by the ``getppid`` check the callers make right after it.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-
-
-def family(pid: int) -> dict[int, int | None]:
-    """Every other process in ``pid``'s session (a detached server leads its own) or below it,
-    with its start time: what a stop must end. A process whose parent died (an engine's Ray
-    workers after the engine) stays in the session; one that left the session is still found
-    through its parent while that lives."""
-    table: dict[int, tuple[int, int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            table[int(entry.name)] = (int(fields[1]), int(fields[3]))  # ppid, session
-    found = {p for p, (_, session) in table.items() if session == pid}
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop()
-        for p, (ppid, _) in table.items():
-            if ppid == parent and p not in found:
-                found.add(p)
-                frontier.append(p)
-    found.discard(pid)
-    return {p: start_ticks(p) for p in found}
-
-
 def remember_family(home: Path, record: ServerRecord) -> None:
     """Record the server's session and tree now (it is up), so a stop after its own process
     died ends exactly these and nothing that merely shares the old session id."""
-    record.members = {str(p): ticks for p, ticks in family(record.pid).items()}
+    record.members = {str(p): ticks for p, ticks in pids.family(record.pid).items()}
     on_disk = read_record(home)
     if on_disk is not None and on_disk.pid == record.pid and is_ours(record):
         _write_record(home, record)
@@ -320,44 +248,9 @@ def remember_family(home: Path, record: ServerRecord) -> None:
 
 def recorded_members(record: ServerRecord) -> dict[int, int | None]:
     """The members a record names, if it was written in this boot (else none are ours)."""
-    if record.boot_id is None or record.boot_id != boot_id():
+    if record.boot_id is None or record.boot_id != pids.boot_id():
         return {}
     return {int(p): ticks for p, ticks in record.members.items() if ticks is not None}
-
-
-def end_family(members: dict[int, int | None], grace: float) -> None:
-    """SIGTERM what is left of ``members`` (each still the process recorded), SIGKILL after
-    ``grace`` s."""
-
-    def alive() -> list[int]:
-        return [p for p, ticks in members.items() if pid_alive(p) and start_ticks(p) == ticks]
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in alive():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(p, sig)
-        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 2)
-        while alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-
-def _kill_group(pid: int, grace: float) -> None:
-    """SIGTERM the process group led by ``pid``, SIGKILL after ``grace`` s; reap if a child.
-    Then the rest of its family (``family``)."""
-    members = family(pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while pid_alive(pid) and time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                break
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)  # the engine and anything else left in the group
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
-    end_family({**members, **family(pid)}, grace=1)
 
 
 def engine_error(base_url: str) -> str | None:
@@ -428,10 +321,10 @@ def start_detached(home: Path, launch: Launch, *, wait: float) -> tuple[ServerRe
                 break
             time.sleep(0.3)
     except BaseException:  # Ctrl-C while waiting: leave nothing behind
-        _kill_group(process.pid, grace=2)
+        pids.kill_group(process.pid, grace=2)
         _remove_record_of(home, process.pid)
         raise
-    _kill_group(process.pid, grace=3)
+    pids.kill_group(process.pid, grace=3)
     _remove_record_of(home, process.pid)
     one_line = " ".join(failure.split())
     if len(one_line) > 500:
@@ -451,7 +344,7 @@ def run_foreground(home: Path, launch: Launch) -> int:
     me = os.getpid()
 
     def lifeline() -> None:
-        die_with_parent(signal.SIGTERM)
+        pids.die_with_parent(signal.SIGTERM)
         if os.getppid() != me:  # the parent died before prctl took effect
             os._exit(1)
 
@@ -488,22 +381,10 @@ def run_foreground(home: Path, launch: Launch) -> int:
             return child.wait()
         finally:
             if child.poll() is None:
-                _stop_child(child)
+                pids.stop_child(child)
             _remove_record_of(home, me)
             for s, handler in previous.items():
                 signal.signal(s, handler)
-
-
-def _stop_child(child: subprocess.Popen) -> None:
-    """SIGTERM the child's process group, SIGKILL after 10 s."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.pid, signal.SIGTERM)
-    try:
-        child.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
 
 
 def stop(home: Path, grace: float = 15.0) -> tuple[ServerRecord | None, str]:
@@ -521,7 +402,7 @@ def stop(home: Path, grace: float = 15.0) -> tuple[ServerRecord | None, str]:
             # It died on its own: what it started may live on (an engine, Ray). Only the
             # members recorded with it, each still the same process in the same boot: a
             # session id equal to the old pid proves nothing once that pid has gone.
-            end_family(recorded_members(stale), grace=grace)
+            pids.end_family(recorded_members(stale), grace=grace)
         return stale, "stale" if stale else "not running"
 
     def send(sig: int) -> None:
@@ -531,11 +412,11 @@ def stop(home: Path, grace: float = 15.0) -> tuple[ServerRecord | None, str]:
             else:
                 os.killpg(record.pid, sig)
 
-    members = {} if record.foreground else {**recorded_members(record), **family(record.pid)}
+    members = {} if record.foreground else {**recorded_members(record), **pids.family(record.pid)}
     send(signal.SIGTERM)
     how = "stopped"
     deadline = time.monotonic() + grace
-    while pid_alive(record.pid):
+    while pids.pid_alive(record.pid):
         if time.monotonic() >= deadline:
             send(signal.SIGKILL)
             how = "killed"
@@ -546,6 +427,6 @@ def stop(home: Path, grace: float = 15.0) -> tuple[ServerRecord | None, str]:
         os.waitpid(record.pid, os.WNOHANG)
     if not record.foreground:  # what outlived the leader: SkyRL's engine, Ray's workers
         left = max(1.0, deadline - time.monotonic())
-        end_family({**members, **family(record.pid)}, grace=left)
+        pids.end_family({**members, **pids.family(record.pid)}, grace=left)
     _remove_record_of(home, record.pid)
     return record, how

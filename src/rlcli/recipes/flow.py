@@ -19,7 +19,7 @@ from rlcli import flags
 from rlcli.client import endpoint
 from rlcli.compat import renderer_choice
 from rlcli.errors import RlcliError
-from rlcli.launch.process import start_ticks
+from rlcli.launch.pids import start_ticks
 from rlcli.models.gguf import local_model
 from rlcli.recipes import options, preflight
 from rlcli.recipes.base import Plan, Recipe

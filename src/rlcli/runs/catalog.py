@@ -21,6 +21,7 @@ from pathlib import Path
 from rlcli.errors import RlcliError
 from rlcli.files import atomic, lastline
 from rlcli.home import rlcli_home
+from rlcli.launch.pids import pid_alive, start_ticks
 from rlcli.runs import folder
 from rlcli.runs.folder import (
     CONSOLE,
@@ -260,7 +261,6 @@ def checkpoint_path(run: str, with_optimizer: bool) -> str:
 def cancel(run_dir: Path, wait: float = 120.0, force: bool = False, report=None) -> dict:
     """Ask a running run to stop at its next step boundary with a checkpoint (``--force``:
     SIGTERM its ``rlcli`` process, no checkpoint), then wait until it has stopped."""
-    from rlcli.launch.process import pid_alive, start_ticks  # lazy: imports httpx
 
     run_dir = Path(run_dir)
     now = state(run_dir)

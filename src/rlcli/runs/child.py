@@ -22,7 +22,7 @@ from pathlib import Path
 from rlcli import recipes
 from rlcli.compat import run_hooks, skyrl_client
 from rlcli.compat.run_hooks import RunCancelled
-from rlcli.launch.process import die_with_parent
+from rlcli.launch.pids import die_with_parent
 from rlcli.runs.folder import CANCEL, CONSOLE, ERROR_PREFIX, SPEC, STATUS, SUMMARY
 from rlcli.runs.runner import CANCELLED_EXIT, PARENT_PID_ENV
 

@@ -46,7 +46,7 @@ from rlcli.client import endpoint
 from rlcli.errors import Cancelled, RlcliError, RunFailed
 from rlcli.files.lastline import last_error_line
 from rlcli.home import rlcli_home
-from rlcli.launch.process import start_ticks
+from rlcli.launch.pids import start_ticks, stop_child
 from rlcli.runs import folder
 from rlcli.runs.folder import CANCEL, CONSOLE, LOCK, SPEC, STATUS, SUMMARY
 from rlcli.runs.progress import Follower, Reporter, StepLine
@@ -269,7 +269,7 @@ def run_recipe(
         if watch is not None:
             watch.stopped.set()
         if child is not None and child.poll() is None:
-            _stop_child(child)
+            stop_child(child)
         with contextlib.suppress(BrokenPipeError, OSError, AttributeError):
             follower.close()
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -437,19 +437,6 @@ def _save_before_stopping(run_dir: Path, child, follower) -> None:
 def _steps_done(run_dir: Path) -> int:
     rows = folder.metric_rows(run_dir)
     return max((int(r.get("step", -1)) + 1 for r in rows), default=0)
-
-
-def _stop_child(child: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM the child's session (the recipe and anything it started), SIGKILL after
-    ``grace`` s."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        child.wait(timeout=grace)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.pid, signal.SIGKILL)  # also whatever the recipe left in its session
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        child.wait(timeout=5)
 
 
 def _ignore_stop_signals() -> None:
