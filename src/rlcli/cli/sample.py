@@ -134,7 +134,7 @@ def sample(
         {"role": "user", "content": text}
     ]
     model_input = talker.prompt(messages, text)
-    settings = sample_chat.Settings(max_tokens, temperature, top_p, seed)
+    settings = sample_chat.SamplingSettings(max_tokens, temperature, top_p, seed)
     future = talker.submit(model_input, settings, num_samples)
     try:
         replies = talker.replies(_wait(future, sys.stderr.isatty() and not as_json))
@@ -189,7 +189,7 @@ def chat(
     from rlcli.client import sample_chat
 
     talker = _open(base_url, model, checkpoint, renderer, False, max_tokens)
-    settings = sample_chat.Settings(max_tokens, temperature, top_p, seed)
+    settings = sample_chat.SamplingSettings(max_tokens, temperature, top_p, seed)
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
     info(f"{HELP}; Ctrl-C cancels an answer.")

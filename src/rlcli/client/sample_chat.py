@@ -145,7 +145,9 @@ class Reply:
 
 
 @dataclass
-class Settings:
+class SamplingSettings:
+    """What ``sample`` and ``chat`` ask of each answer (their flags; chat's /commands)."""
+
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -203,7 +205,7 @@ class Talker:
             return types.ModelInput.from_ints(self._tokenizer.encode(text or ""))
         return self._renderer.build_generation_prompt(messages or [])
 
-    def submit(self, prompt, settings: Settings, num_samples: int = 1) -> Future:
+    def submit(self, prompt, settings: SamplingSettings, num_samples: int = 1) -> Future:
         """Ask the server; the SDK's future (``.result()`` waits, ``.cancel()`` gives up)."""
         from tinker import types
 
@@ -216,7 +218,7 @@ class Talker:
         )
         return self._client.sample(prompt, num_samples, params)
 
-    def stream(self, prompt, settings: Settings) -> Iterator[tuple[str, str | None]]:
+    def stream(self, prompt, settings: SamplingSettings) -> Iterator[tuple[str, str | None]]:
         """The reply as it is drawn: (text, finish reason or None) pieces, through the server's
         ``/v1/completions`` with the rendered prompt's tokens and the renderer's stops. Closing
         the iterator (Ctrl-C) hangs up, and the server drops the reply's row."""
