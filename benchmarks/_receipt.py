@@ -29,28 +29,58 @@ def machine() -> dict:
 
     return {
         **cpu_model(),
+        "cpu_kind": cpu_kind(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
         "python": platform.python_version(),
     }
 
 
+def cpu_kind() -> str:
+    """What bf16 costs on this CPU: ``AVX512-BF16`` (bf16 arithmetic, with or without AMX),
+    ``AVX2`` (bf16 emulated, slower than float32) or ``other``."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "other"
+    if {"avx512_bf16", "amx_bf16"} & flags:
+        return "AVX512-BF16" + ("+AMX" if "amx_bf16" in flags else "")
+    return "AVX2" if "avx2" in flags else "other"
+
+
 @contextlib.contextmanager
-def local_server(model: str | Path, tmp: str | Path, wait: float = 300, dtype: str = "auto"):
-    """Our torch server for ``model`` on a free loopback port (CPU, ``--dtype``), stopped on
-    exit."""
+def local_server(
+    model: str | Path,
+    tmp: str | Path,
+    wait: float = 300,
+    dtype: str = "auto",
+    device: str = "cpu",
+    extra_args: list[str] | tuple[str, ...] = (),
+):
+    """Our torch server for ``model`` on a free loopback port (``--device``, ``--dtype``, then
+    ``extra_args`` as given, e.g. ``["--no-compile"]``), stopped on exit. The server inherits
+    this environment (``RLCLI_*`` variables included)."""
     from rlcli.demo.run import free_port
     from rlcli.launch import process
     from rlcli.launch import torch_server as torch_backend
 
     home = Path(tmp) / "home"
     opts = torch_backend.TorchServerOptions(
-        base_model=str(model), port=free_port(), device="cpu", dtype=dtype
+        base_model=str(model), port=free_port(), device=device, dtype=dtype
     )
-    record, healthy = torch_backend.start(home, opts, wait=wait)
+    record, healthy = process.start_detached(
+        home,
+        torch_backend.server_command(opts) + list(extra_args),
+        host=opts.host,
+        port=opts.port,
+        base_model=opts.base_model,
+        backend="torch",
+        wait=wait,
+    )
     try:
         if not healthy:
             raise RuntimeError(f"the server did not become healthy; see {record.log_path}")
