@@ -62,15 +62,22 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def baseline_child(model: str, batch: int, seq_len: int, rank: int, steps: int) -> None:
+def baseline_child(
+    model: str, batch: int, seq_len: int, rank: int, steps: int, device: str = "cpu"
+) -> None:
     """Runs in its own process: prints the in-process step times and its own peak RSS."""
     from transformers import AutoConfig
 
     seqs = make_batch(AutoConfig.from_pretrained(model).vocab_size, batch, seq_len)
-    step = inprocess_stepper(model, seqs, rank)
+    step = inprocess_stepper(model, seqs, rank, device)
     _receipt.timed(step, 1)  # warm-up
     times = _receipt.timed(step, steps)
-    print(json.dumps({"step_s": times, "peak_rss_gb": peak_rss_gb(os.getpid())}))
+    out = {"step_s": times, "peak_rss_gb": peak_rss_gb(os.getpid())}
+    if device == "cuda":
+        import torch
+
+        out["peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    print(json.dumps(out))
 
 
 def server_side(model: str, args, settings: dict) -> dict:
@@ -84,7 +91,7 @@ def server_side(model: str, args, settings: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp) / "home"
         opts = torch_backend.TorchServerOptions(
-            base_model=model, port=free_port(), device="cpu", **settings
+            base_model=model, port=free_port(), device=args.device, **settings
         )
         record, healthy = torch_backend.start(home, opts, wait=600)
         try:
@@ -117,7 +124,7 @@ def _engine_dtype(log: Path) -> str | None:
     return None
 
 
-def precision(model: str) -> dict:
+def precision(model: str, device: str = "cpu") -> dict:
     """Engine logprobs on real text (a chat about this project): bf16 and the new float32
     path (chunked, checkpointed) against the plain float32 path (whole logits)."""
     import numpy as np
@@ -129,7 +136,7 @@ def precision(model: str) -> dict:
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     results, plain = {}, None
     for name, dtype in (("float32", "float32"), ("bfloat16", "bfloat16")):
-        engine = Engine(model, device="cpu", dtype=dtype, grad_checkpointing=True)
+        engine = Engine(model, device=device, dtype=dtype, grad_checkpointing=True)
         engine.create_adapter("student", rank=32, seed=0)
         ids = engine.tokenizer(text)["input_ids"]
         seqs = [ids[i * 129 : (i + 1) * 129] for i in range(4)]
@@ -139,10 +146,10 @@ def precision(model: str) -> dict:
         if name == "float32":  # the plain path: whole logits, one log_softmax
             with torch.no_grad():
                 engine._set_adapter("student")
-                tokens = torch.tensor([s[:-1] for s in seqs])
+                tokens = torch.tensor([s[:-1] for s in seqs], device=device)
                 logits = engine.peft(input_ids=tokens).logits.float().log_softmax(-1)
-                targets = torch.tensor([s[1:] for s in seqs])
-                plain = logits.gather(-1, targets[..., None])[..., 0].flatten().numpy()
+                targets = torch.tensor([s[1:] for s in seqs], device=device)
+                plain = logits.gather(-1, targets[..., None])[..., 0].flatten().cpu().numpy()
         del engine
     report = {"tokens": int(plain.size), "mean_logprob_fp32": float(plain.mean())}
     for name, values in results.items():
@@ -168,6 +175,7 @@ def main() -> None:
         "--variants", default="defaults,checkpointing_mb4096,no_checkpointing_mb4096"
     )
     parser.add_argument("--no-precision", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--model", default="", help="model folder (default: SmolLM2, built)")
     parser.add_argument("--baseline-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", default="sft_step_smollm2")
@@ -182,12 +190,13 @@ def main() -> None:
 
         model = str(smollm2_folder(rlcli_home() / "models" / "smollm2-135m-instruct"))
     if args.baseline_child:
-        baseline_child(model, args.batch, args.seq_len, args.rank, args.steps)
+        baseline_child(model, args.batch, args.seq_len, args.rank, args.steps, args.device)
         return
 
     command = [sys.executable, __file__, "--baseline-child", "--model", model,
                "--steps", str(args.steps), "--batch", str(args.batch),
-               "--seq-len", str(args.seq_len), "--rank", str(args.rank)]  # fmt: skip
+               "--seq-len", str(args.seq_len), "--rank", str(args.rank),
+               "--device", args.device]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         sys.exit(done.stderr[-3000:])
@@ -199,6 +208,7 @@ def main() -> None:
         "step_s": base_s,
         "tokens_per_s": tokens / base_s["median"],
         "peak_rss_gb": base["peak_rss_gb"],
+        "peak_cuda_gb": base.get("peak_cuda_gb"),
     }
     servers = {}
     for name in args.variants.split(","):
@@ -215,6 +225,7 @@ def main() -> None:
         "batch": args.batch,
         "seq_len": args.seq_len,
         "lora_rank": args.rank,
+        "device": args.device,
         "cpu_has_bf16": cpu_has_bf16(),
         "baseline_inprocess_peft_fp32": baseline,
         "server": servers,
@@ -225,7 +236,7 @@ def main() -> None:
         payload["meets_speed_target"] = d["speedup_vs_baseline"] >= 1.6
         payload["meets_memory_target"] = d["engine_peak_rss_gb"] <= 3.0
     if not args.no_precision:
-        payload["precision"] = precision(model)
+        payload["precision"] = precision(model, args.device)
     path = _receipt.write(args.name, payload)
     print(path.read_text())
 
