@@ -40,6 +40,15 @@ def machine() -> dict:
     }
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (``timeout``, a job stopped) raises SystemExit, so ``local_server``'s ``finally``
+    stops the server it started instead of leaving it running (it has a session of its own)."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def cpu_kind() -> str:
     """What bf16 costs on this CPU: ``AVX512-BF16`` (bf16 arithmetic, with or without AMX),
     ``AVX2`` (bf16 emulated, slower than float32) or ``other``."""

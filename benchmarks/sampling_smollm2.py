@@ -407,6 +407,7 @@ def main() -> None:
     parser.add_argument("--skip", choices=["throughput", "staggered"], default=None)
     parser.add_argument("--name", default="sampling_smollm2")
     args = parser.parse_args()
+    _receipt.exit_on_sigterm()
     if args.quick:
         args.shapes, args.skip = shapes("8x64"), args.skip or "staggered"
     model_dir = str(smollm2_folder(Path(args.model_dir)))

@@ -180,6 +180,7 @@ def main() -> None:
     parser.add_argument("--baseline-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", default="sft_step_smollm2")
     args = parser.parse_args()
+    _receipt.exit_on_sigterm()
 
     if args.model:
         model = args.model
@@ -235,9 +236,10 @@ def main() -> None:
         d = servers["defaults"]
         payload["meets_speed_target"] = d["speedup_vs_baseline"] >= 1.6
         payload["meets_memory_target"] = d["engine_peak_rss_gb"] <= 3.0
+    path = _receipt.write(args.name, payload)  # now, and again with the precision section
     if not args.no_precision:
         payload["precision"] = precision(model, args.device)
-    path = _receipt.write(args.name, payload)
+        path = _receipt.write(args.name, payload)
     print(path.read_text())
 
 
