@@ -224,7 +224,35 @@ def rl_part(args, model: Path, targets: list[str], tmp: str) -> dict:
         row.get("completions/mean_length", 0) * args.batch_size * args.group_size
         for row in theirs["logs"]
     ]
-    return compare(mine, theirs)
+    return {**compare(mine, theirs), **sampling_share(mine, theirs)}
+
+
+def sampling_share(mine: dict, theirs: dict) -> dict:
+    """RL: each side's sampling seconds per step and their share of the step (medians after
+    the first step), and the speedups per step and per completion token (answers differ in
+    length, so a step's work does too)."""
+    ours_s = [r.get("time/sampling") for r in mine["metrics"]]
+    ours_share = [s / t for s, t in zip(ours_s, mine["step_time_s"], strict=True) if s and t]
+    trl_s = theirs.get("generate_s") or []  # older trl_side.py runs did not time generate
+    trl_share = [g / t for g, t in zip(trl_s, theirs["step_time_s"], strict=False) if t]
+
+    def per_token(side: dict) -> float:
+        times, tokens = side["step_time_s"], side["completion_tokens_per_step"]
+        return steady([t / n for t, n in zip(times, tokens, strict=False) if n])
+
+    out = {
+        "rlcli_sampling_s_median_after_first": steady([s for s in ours_s if s is not None]),
+        "rlcli_sampling_share": steady(ours_share),
+        "trl_generate_s_median_after_first": steady(trl_s) if trl_s else None,
+        "trl_sampling_share": steady(trl_share) if trl_share else None,
+        "speedup_vs_trl_per_completion_token": per_token(theirs) / per_token(mine),
+        "targets": {"speedup_vs_trl": 2.0, "rlcli_sampling_share_below": 0.35},
+    }
+    if trl_s:
+        out["sampling_speedup_vs_trl"] = (
+            out["trl_generate_s_median_after_first"] / out["rlcli_sampling_s_median_after_first"]
+        )
+    return out
 
 
 def sl_part(args, model: Path, targets: list[str], tmp: str) -> dict:
@@ -317,7 +345,15 @@ def main() -> None:
     parser.add_argument("--trl-precision", choices=["auto", "bf16", "fp32"], default="auto")
     parser.add_argument("--name", default=NAME, help="receipt name")
     parser.add_argument("--no-lock", action="store_true", help="tiny models: skip the lock")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="a lighter equal-work run: 2 RL steps of 2 prompts x 4 answers, 128 new tokens; "
+        "2 SL steps (receipt trl_peer_quick unless --name)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.quick:
+        args.rl_steps, args.batch_size, args.max_tokens, args.sl_steps = 2, 2, 128, 2
+        args.name = NAME + "_quick" if args.name == NAME else args.name
     if args.no_lock:
         global LOCK
         LOCK = ""
@@ -349,6 +385,12 @@ def main() -> None:
     for part in ("rl", "sl"):
         r = receipt.get(part, {})
         if "speedup_vs_trl" in r:  # a part kept from an earlier, partial run may lack it
+            if "rlcli_sampling_share" in r:
+                trl_share = r.get("trl_sampling_share")
+                print(
+                    f"{part}: sampling {100 * r['rlcli_sampling_share']:.0f}% of an rlcli step"
+                    + (f", {100 * trl_share:.0f}% of a TRL step" if trl_share else "")
+                )
             print(
                 f"{part}: rlcli {r['rlcli_step_s_median_after_first']:.1f} s/step, "
                 f"{r['rlcli']['peak_rss_gb']:.2f} GB; TRL {r['trl_step_s_median_after_first']:.1f}"

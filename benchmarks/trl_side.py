@@ -89,6 +89,35 @@ class StepTimes:
         self.callback = _Callback()
 
 
+class GenerateTimes:
+    """Seconds spent in ``generate`` within each optimizer step (GRPO's sampling share):
+    ``GenerationMixin.generate`` wrapped, added up between a step's begin and end."""
+
+    def __init__(self) -> None:
+        from transformers import GenerationMixin, TrainerCallback
+
+        outer, original = self, GenerationMixin.generate
+        self.current, self.times = 0.0, []
+
+        def generate(model, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(model, *args, **kwargs)
+            finally:
+                outer.current += time.perf_counter() - t0
+
+        GenerationMixin.generate = generate
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                outer.current = 0.0
+
+            def on_step_end(self, args, state, control, **kwargs):
+                outer.times.append(outer.current)
+
+        self.callback = _Callback()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=["grpo", "sft"])
@@ -124,7 +153,7 @@ def main() -> None:
         learning_rate=args.lr, max_steps=args.steps, logging_steps=1, save_strategy="no",
         report_to="none", seed=0, dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
-    timer = StepTimes()
+    timer, generation = StepTimes(), GenerateTimes()
     if args.mode == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
@@ -135,7 +164,7 @@ def main() -> None:
         )  # fmt: skip
         trainer = GRPOTrainer(
             model=args.model, reward_funcs=gsm8k_reward, args=config, train_dataset=data,
-            peft_config=peft_config, callbacks=[timer.callback],
+            peft_config=peft_config, callbacks=[timer.callback, generation.callback],
         )  # fmt: skip
     else:
         from trl import SFTConfig, SFTTrainer
@@ -159,6 +188,7 @@ def main() -> None:
     packages = ("trl", "transformers", "peft", "torch", "accelerate", "datasets")
     result = {
         "step_time_s": timer.times,
+        "generate_s": generation.times,  # GRPO: sampling seconds within each step
         "train_s": train_s,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "logs": [{k: row[k] for k in keep if k in row} for row in logs],
