@@ -15,8 +15,9 @@ all at the same precision and on the same prompt:
   - ``generate_static``: the same with ``cache_implementation="static"`` (transformers compiles
     its forward for it on CUDA, not on CPU);
   - ``roofline``: a decode step reads every weight once, so at best batch / (weight bytes /
-    read bandwidth) tokens/s, the bandwidth measured here (summing a 512 MB float32 tensor,
-    best of 5). ``roofline_with_kv`` adds the KV cache read at the mean context;
+    read bandwidth) tokens/s, the bandwidth measured in this run (summing a 512 MB float32
+    tensor, best of 5, at the start, before each dtype x shape and at the end; the best of
+    all). ``roofline_with_kv`` adds the KV cache read at the mean context;
   - ``projections_only``: every Linear of the model applied to (batch, in_features) once, in
     order, timed: the matmuls' own cost of a decode step, with no attention, norms or
     dispatch around them.
@@ -143,8 +144,10 @@ def server_status(base_url: str) -> dict | None:
         return None
 
 
-def throughput(model_dir: str, args, dtype_name: str, bandwidth: dict) -> dict:
-    """Part 1 at one precision: every shape, every method, interleaved round by round."""
+def throughput(model_dir: str, args, dtype_name: str, bandwidth: list[dict]) -> dict:
+    """Part 1 at one precision: every shape, every method, interleaved round by round. The
+    read bandwidth is measured again before each shape's rounds (appended to ``bandwidth``);
+    the rooflines are added at the end (``add_rooflines``), from the best of the run."""
     import tinker
     import torch
     from tinker import types
@@ -201,6 +204,7 @@ def throughput(model_dir: str, args, dtype_name: str, bandwidth: dict) -> dict:
             }
             raw: dict[str, list[float]] = {k: [] for k in fns}
             first_s = {}
+            bandwidth.append(read_bandwidth(device))
             for name, fn in fns.items():  # warm-up: first-call allocations, compiles
                 t0 = time.perf_counter()
                 fn()
@@ -211,11 +215,6 @@ def throughput(model_dir: str, args, dtype_name: str, bandwidth: dict) -> dict:
                     tokens = fn()
                     raw[name].append(tokens / (time.perf_counter() - t0))
             med = {k: _receipt.summary(v)["median"] for k, v in raw.items()}
-            step_bytes = wbytes
-            kv_step = kv_per_token * batch * (len(ids) + (n + 1) / 2)
-            bw = bandwidth["read_bytes_per_s"]
-            med["roofline"] = batch / (step_bytes / bw)
-            med["roofline_with_kv"] = batch / ((step_bytes + kv_step) / bw)
             proj = projections_ms(model, batch, device)
             server_step_ms = 1000 * batch / med["server"]
             shapes[f"{batch}x{n}"] = {
@@ -226,18 +225,15 @@ def throughput(model_dir: str, args, dtype_name: str, bandwidth: dict) -> dict:
                 "first_call_s": first_s,
                 "server_vs_generate": med["server"] / med["generate"],
                 "server_vs_generate_static": med["server"] / med["generate_static"],
-                "server_pct_of_roofline": 100 * med["server"] / med["roofline"],
-                "server_pct_of_roofline_with_kv": 100 * med["server"] / med["roofline_with_kv"],
                 "step_ms": {
                     "server": server_step_ms,
                     "generate": 1000 * batch / med["generate"],
                     "generate_static": 1000 * batch / med["generate_static"],
-                    "roofline": 1000 * step_bytes / bw,
                     "projections_only": proj["ms"],
                 },
                 "server_step_over_projections": server_step_ms / proj["ms"],
                 "projections": proj,
-                "kv_bytes_per_step_mean": kv_step,
+                "kv_bytes_per_step_mean": kv_per_token * batch * (len(ids) + (n + 1) / 2),
             }
         status = server_status(record.base_url)
     return {
@@ -250,6 +246,21 @@ def throughput(model_dir: str, args, dtype_name: str, bandwidth: dict) -> dict:
         "server_status_after": status,
         "shapes": shapes,
     }
+
+
+def add_rooflines(result: dict, read_bytes_per_s: float) -> None:
+    """Roofline tokens/s of each shape of one dtype's ``throughput`` result, and the server's
+    share of it: batch / (bytes a decode step must read / read bandwidth)."""
+    for r in result["shapes"].values():
+        batch, tps = r["batch"], r["tokens_per_s"]
+        step_bytes = result["weight_bytes_per_step"]
+        tps["roofline"] = batch * read_bytes_per_s / step_bytes
+        tps["roofline_with_kv"] = (
+            batch * read_bytes_per_s / (step_bytes + r["kv_bytes_per_step_mean"])
+        )
+        r["server_pct_of_roofline"] = 100 * tps["server"] / tps["roofline"]
+        r["server_pct_of_roofline_with_kv"] = 100 * tps["server"] / tps["roofline_with_kv"]
+        r["step_ms"]["roofline"] = 1000 * step_bytes / read_bytes_per_s
 
 
 def _would_compile_static(model) -> bool | None:
@@ -390,7 +401,10 @@ def main() -> None:
         help="auto: float32, plus bfloat16 where the hardware computes in it",
     )  # fmt: skip
     parser.add_argument("--shapes", type=shapes, default=shapes("8x64,16x256"))
-    parser.add_argument("--quick", action="store_true", help="--shapes 8x64 --skip staggered")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="--shapes 8x64 --skip staggered (receipt sampling_smollm2_quick unless --name)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
         "--server-arg", action="append", default=[], metavar="ARG",
@@ -410,6 +424,7 @@ def main() -> None:
     _receipt.exit_on_sigterm()
     if args.quick:
         args.shapes, args.skip = shapes("8x64"), args.skip or "staggered"
+        args.name = "sampling_smollm2_quick" if args.name == "sampling_smollm2" else args.name
     model_dir = str(smollm2_folder(Path(args.model_dir)))
     payload = {
         "what": "SmolLM2-135M-Instruct sampling: server (SDK) vs generate (dynamic, static "
@@ -422,10 +437,23 @@ def main() -> None:
     if args.skip != "throughput":
         import torch
 
-        payload["bandwidth"] = read_bandwidth(torch.device(args.device))
+        samples = [read_bandwidth(torch.device(args.device))]
         payload["throughput"] = {}
         for d in dtypes(args.dtype, args.device):
-            t = payload["throughput"][d] = throughput(model_dir, args, d, payload["bandwidth"])
+            payload["throughput"][d] = throughput(model_dir, args, d, samples)
+        samples.append(read_bandwidth(torch.device(args.device)))
+        best = max(b["read_bytes_per_s"] for b in samples)
+        payload["bandwidth"] = {
+            "read_bytes_per_s": best,  # the rooflines': the best seen (the hardware's limit)
+            "read_bytes_per_s_median": _receipt.summary([b["read_bytes_per_s"] for b in samples])[
+                "median"
+            ],
+            "copy_bytes_per_s": max(b["copy_bytes_per_s"] for b in samples),
+            "when": "at the start, before each dtype x shape, at the end",
+            "samples": samples,
+        }
+        for d, t in payload["throughput"].items():
+            add_rooflines(t, best)
             for key, r in t["shapes"].items():
                 tps = {k: round(v, 1) for k, v in r["tokens_per_s"].items()}
                 print(
