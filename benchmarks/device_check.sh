@@ -33,7 +33,7 @@
 #
 # On this CPU machine, to catch the script's own errors (minutes, tiny shapes):
 #   flock /tmp/rlcli-heavy.lock env DEVICE_CHECK_CPU=1 OUT=$(mktemp -d) bash benchmarks/device_check.sh
-# uses .venv instead of a new venv (and only checks that the wheels would install on 3.12).
+# uses .venv instead of the device's python3 (and only checks the wheels would install on 3.12).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -41,10 +41,18 @@ ROOT=$PWD
 CPU=${DEVICE_CHECK_CPU:-0}
 BUDGET=${DEVICE_CHECK_BUDGET_S:-450}
 CARRY=$ROOT/.device-carry
-VENV=/tmp/rlcli-device-venv
+SITE=/tmp/rlcli-device-site
 MODEL=/tmp/rlcli-smollm2-shape
 export TINKER_TELEMETRY=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-if [ "$CPU" = 1 ]; then DEV=cpu; PY=$ROOT/.venv/bin/python; else DEV=cuda; PY=$VENV/bin/python; fi
+if [ "$CPU" = 1 ]; then
+  DEV=cpu; PY=$ROOT/.venv/bin/python
+else
+  # The image's python3 is itself a venv (/opt/torch/.venv): a venv made from it would not see
+  # its torch. So the carried wheels go to a folder put first on PYTHONPATH (ahead of the
+  # image's transformers 5.17), with this tree's src/ (rlcli, no build). Servers inherit it.
+  DEV=cuda; PY=python3
+  export PYTHONPATH="$SITE:$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 phase_setup() {
   [ -d "$CARRY/wheels" ] || { echo "no $CARRY/wheels: run benchmarks/device_wheels.sh here and carry .device-carry"; return 1; }
@@ -55,10 +63,8 @@ phase_setup() {
       --only-binary=:all: --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 "$CARRY"/wheels/*.whl
   else
-    python3 -m venv --system-site-packages "$VENV"  # the machine's torch, numpy, ... stay
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$CARRY"/wheels/*.whl
-    # rlcli itself from this tree (no build, no network): a .pth naming src/
-    "$PY" -c 'import site, sys; open(site.getsitepackages()[0] + "/rlcli-src.pth", "w").write(sys.argv[1])' "$ROOT/src"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$SITE" "$CARRY"/wheels/*.whl
   fi
   {
     echo "# $(date -u +%FT%TZ) device $DEV"
@@ -71,6 +77,9 @@ print("python", __import__("sys").version.split()[0], "torch", torch.__version__
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "",
       "transformers", transformers.__version__, "peft", peft.__version__,
       "tinker", tinker.__version__, "rlcli from", rlcli.server.engine.__file__)
+from packaging.version import Version
+assert Version(transformers.__version__) <= Version("5.5.4"), \
+    f"transformers {transformers.__version__} is past the project's pin: the carried one is not first"
 EOF
   } 2>&1 | tee "$OUT/env.txt"
   if [ "$DEV" = cuda ]; then "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "torch sees no CUDA device")'; fi

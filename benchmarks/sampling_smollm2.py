@@ -405,7 +405,7 @@ def main() -> None:
         "--quick", action="store_true",
         help="--shapes 8x64 --skip staggered (receipt sampling_smollm2_quick unless --name)",
     )  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up")
     parser.add_argument(
         "--server-arg", action="append", default=[], metavar="ARG",
         help="appended to the server's command line (repeat for each word)",
