@@ -81,15 +81,9 @@ def local_server(
     opts = torch_backend.TorchServerOptions(
         base_model=str(model), port=free_port(), device=device, dtype=dtype
     )
-    record, healthy = process.start_detached(
-        home,
-        torch_backend.server_command(opts) + list(extra_args),
-        host=opts.host,
-        port=opts.port,
-        base_model=opts.base_model,
-        backend="torch",
-        wait=wait,
-    )
+    launch = torch_backend.launch(opts)
+    launch.command = [*launch.command, *extra_args]
+    record, healthy = process.start_detached(home, launch, wait=wait)
     try:
         if not healthy:
             raise RuntimeError(f"the server did not become healthy; see {record.log_path}")
