@@ -298,7 +298,7 @@ class Compiled:
         self._fn = None
         self._seen: set[tuple] = set()
         if enabled:
-            self._fn = torch.compile(step, backend=self._backend, dynamic=False)
+            self._fn = torch.compile(step, backend=self._backend)
 
     def _backend(self, gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
@@ -310,11 +310,19 @@ class Compiled:
     def __call__(self, tokens, positions, keys, values, lora=None):
         if self._fn is None:
             return self.step(tokens, positions, keys, values, lora)
-        key = (
-            tokens.shape[0],
-            keys[0].shape[2],
-            None if lora is None else tuple(t.shape for t in lora[0]),
-        )
+        # One graph for every cache length and LoRA width (they change as rows come and go);
+        # the batch size stays static: a graph per bucket.
+        for t in (*keys, *values):
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+        if lora is not None:
+            for t in lora[0][1:]:
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            for pair in (*lora[1], (lora[2],)):
+                for a_b in pair:
+                    if a_b is not None:
+                        torch._dynamo.maybe_mark_dynamic(a_b[0], 1)
+                        torch._dynamo.maybe_mark_dynamic(a_b[1], 0)
+        key = (tokens.shape[0], lora is None)
         if key in self._seen:
             return self._fn(tokens, positions, keys, values, lora)
         started = time.perf_counter()
@@ -330,7 +338,7 @@ class Compiled:
         self._seen.add(key)
         if self.compiles > before:
             took = time.perf_counter() - started
-            name = f"batch {key[0]} x {key[1]}" + ("" if lora is None else " +lora")
+            name = f"batch {key[0]}" + ("" if lora is None else " +lora")
             self.seconds[name] = round(took, 2)
             log.info("decode step compiled for %s in %.1f s", name, took)
         return out
