@@ -25,9 +25,9 @@ BF16_LOGP_ATOL = 0.05  # as test_precision.py: bf16 kernels of different shapes 
 
 def _engine(model, dtype: str = "float32", **kw) -> Engine:
     """An engine with two trained adapters (LoRA B far from zero) snapshotted as samplers
-    "a" and "b"."""
+    "one" and "two"."""
     engine = Engine(str(model), device="cpu", dtype=dtype, **kw)
-    for seed, name in enumerate(("a", "b")):
+    for seed, name in enumerate(("one", "two")):
         engine.create_adapter(name, rank=4 + 4 * seed, seed=seed)
         gen = torch.Generator().manual_seed(10 + seed)
         with torch.no_grad():
@@ -54,8 +54,8 @@ def _job(length: int, seed: int | None, sampler: str | None, **kw) -> SampleJob:
 def _mixed_jobs() -> list[SampleJob]:
     """Greedy and seeded rows of the base model and both adapters, prompts of four lengths."""
     return [
-        _job(3, None, None), _job(9, 5, "a"), _job(17, None, "b"), _job(30, 7, None),
-        _job(6, 8, "b", top_p=0.9), _job(12, None, "a"),
+        _job(3, None, None), _job(9, 5, "one"), _job(17, None, "two"), _job(30, 7, None),
+        _job(6, 8, "two", top_p=0.9), _job(12, None, "one"),
     ]  # fmt: skip
 
 
@@ -70,7 +70,7 @@ def test_sampling_logprobs_are_the_training_forwards_for_a_trained_adapter(tiny_
     engine = _engine(tiny_model, dtype)
     assert engine.decode_path == "rlcli llama step"
     prompt = np.arange(5, 25)
-    for sampler, model_id in (("a", "a"), ("b", "b")):
+    for sampler, model_id in (("one", "one"), ("two", "two")):
         job = SampleJob(prompt=prompt, max_tokens=16, temperature=1.0, seed=3, sampler=sampler)
         (out,) = engine.sample([engine.add_stops(job)])
         tokens, sampled, _ = out.sequences[0]
@@ -82,7 +82,7 @@ def test_sampling_logprobs_are_the_training_forwards_for_a_trained_adapter(tiny_
         np.testing.assert_allclose(sampled, trained, atol=atol)
     # ...and the adapters matter: the base model gives other logprobs for those tokens.
     base = engine.sample([_job(20, None, None, max_tokens=16, num_samples=1)])[0]
-    lora = engine.sample([_job(20, None, "a", max_tokens=16, num_samples=1)])[0]
+    lora = engine.sample([_job(20, None, "one", max_tokens=16, num_samples=1)])[0]
     assert not np.allclose(base.sequences[0][1], lora.sequences[0][1], atol=1e-3)
 
 
@@ -112,8 +112,8 @@ def test_rows_of_several_adapters_in_one_batch_match_each_request_alone(engine):
 def test_identical_prompts_of_one_sampler_are_prefilled_once(engine):
     """A GRPO group's samples and the same prompt sent again by another request share one
     prefill; another sampler's copy of the prompt gets its own."""
-    jobs = [_job(10, 1, "a"), _job(10, 2, "a"), _job(10, 3, "b"), _job(4, 4, "a")]
-    batch = engine.decode_batch("a")
+    jobs = [_job(10, 1, "one"), _job(10, 2, "one"), _job(10, 3, "two"), _job(4, 4, "one")]
+    batch = engine.decode_batch("one")
     done = batch.admit(jobs, [0, 1, 2, 3])
     while len(batch):
         done += batch.step()
@@ -157,7 +157,7 @@ def test_a_model_the_step_does_not_know_samples_through_transformers(tiny_model,
     engine = Engine(str(other), device="cpu", dtype="float32")
     assert engine.decoder is None and engine.info()["decode_step"] == "transformers"
     batch = engine.decode_batch(None)
-    assert not isinstance(batch, SlotBatch) and not batch.accepts("a")
+    assert not isinstance(batch, SlotBatch) and not batch.accepts("one")
     jobs = [_job(3, None, None), _job(9, 4, None)]
     outs = engine.sample(copy.deepcopy(jobs))
     again = [engine.sample([copy.deepcopy(job)])[0] for job in jobs]

@@ -4,8 +4,9 @@ A request that arrives while others decode is prefilled and joins the running ba
 decode step; finished rows leave it, so a late request never waits for a whole second decode.
 One batch runs at a time. On our decode step (``slot_batch.SlotBatch``) its rows may belong to
 any samplers (the base model, several clients' adapter snapshots); on transformers' forward
-(other architectures) to one, and requests for another sampler wait until it empties. ``Engine.sample`` is the simpler version: a fixed set of
-requests decoded to the end (what a failed batch falls back to, to find the culprit).
+(other architectures) to one, and requests for another sampler wait until it empties.
+``Engine.sample`` is the simpler version: a fixed set of requests decoded to the end (what a
+failed batch falls back to, to find the culprit).
 """
 
 from __future__ import annotations
