@@ -235,9 +235,11 @@ class LlamaStep(torch.nn.Module):
         h = F.embedding(tokens, self.embed)  # [B, hidden]
         cos = self.cos[positions].unsqueeze(1)  # [B, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
-        mask = (torch.arange(length, device=tokens.device) <= positions.unsqueeze(-1))[
-            :, None, None, :
-        ]  # [B, 1, 1, S]: each slot sees its keys up to its own position
+        # [B, 1, 1, S], additive (built once, not converted by every layer's attention): each
+        # slot sees its keys up to its own position.
+        hidden = torch.arange(length, device=tokens.device) > positions.unsqueeze(-1)
+        mask = torch.zeros(hidden.shape, device=tokens.device).masked_fill(hidden, float("-inf"))
+        mask = mask[:, None, None, :]
         slot = torch.arange(rows, device=tokens.device).unsqueeze(-1)
         heads = torch.arange(self.num_kv_heads, device=tokens.device).unsqueeze(0)
         where = (slot, heads, positions.unsqueeze(-1))
