@@ -298,8 +298,13 @@ class Compiled:
         self.seconds: dict[str, float] = {}
         self.failed: str | None = None
         self._fn = None
-        self._seen: set[tuple] = set()
         if enabled:
+            # A graph per batch bucket, with LoRA or not (and per LoRA layout: which
+            # projections have one): more than dynamo's default limit of 8.
+            config = torch._dynamo.config
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(config, name):
+                    setattr(config, name, max(getattr(config, name), 64))
             self._fn = torch.compile(step, backend=self._backend)
 
     def _backend(self, gm, example_inputs):
@@ -324,24 +329,20 @@ class Compiled:
                     if a_b is not None:
                         torch._dynamo.maybe_mark_dynamic(a_b[0], 1)
                         torch._dynamo.maybe_mark_dynamic(a_b[1], 0)
-        key = (tokens.shape[0], lora is None)
-        if key in self._seen:
-            return self._fn(tokens, positions, keys, values, lora)
-        started = time.perf_counter()
-        before = self.compiles
+        started, before = time.perf_counter(), self.compiles
         try:
             out = self._fn(tokens, positions, keys, values, lora)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: run eager from now on
+        except Exception as e:  # noqa: BLE001 - a compiler failure: run eager from now on
+            out = self.step(tokens, positions, keys, values, lora)  # its own error: raised
             why = f"{type(e).__name__}: {e}"
             log.warning("decode step: compiling failed, running eager (%s)", why)
-            self.failed = f"{type(e).__name__}: {e}"[:300]
+            self.failed = why[:300]
             self._fn = None
-            return self.step(tokens, positions, keys, values, lora)
-        self._seen.add(key)
+            return out
         if self.compiles > before:
             took = time.perf_counter() - started
-            name = f"batch {key[0]}" + ("" if lora is None else " +lora")
-            self.seconds[name] = round(took, 2)
+            name = f"batch {tokens.shape[0]}" + ("" if lora is None else " +lora")
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + took, 2)
             log.info("decode step compiled for %s in %.1f s", name, took)
         return out
 
