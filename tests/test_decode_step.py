@@ -163,3 +163,23 @@ def test_a_model_the_step_does_not_know_samples_through_transformers(tiny_model,
     again = [engine.sample([copy.deepcopy(job)])[0] for job in jobs]
     assert _tokens(outs) == _tokens(again)
     assert len(outs[0].sequences[0][0]) == 12
+
+
+def test_a_request_for_a_gone_sampler_fails_alone_and_the_others_are_answered_once(engine):
+    """Requests of several samplers arrive together and one sampler has expired: it gets
+    its error, the others their samples, every request exactly one answer."""
+    from rlcli.server.errors import UserError
+
+    batcher = Batcher(engine)
+    items = [
+        ("base", _job(5, 1, None)), ("gone", _job(5, 2, "ephemeral:no-such-sampler")),
+        ("one", _job(7, 3, "one")),
+    ]  # fmt: skip
+    replies = batcher.add(items)
+    while batcher.busy:
+        replies += batcher.step()
+    assert sorted(rid for rid, _ in replies) == ["base", "gone", "one"]
+    answers = dict(replies)
+    assert isinstance(answers["gone"], UserError)
+    for rid in ("base", "one"):
+        assert [len(seq[0]) for seq in answers[rid].sequences] == [12, 12]

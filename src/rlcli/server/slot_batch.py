@@ -134,11 +134,13 @@ class SlotBatch(DecodeBatch):
         groups: dict[str | None, list[int]] = {}
         for j, job in enumerate(jobs):
             groups.setdefault(job.sampler, []).append(j)
-        done = []
+        done, placed, loras = [], [], {}
+        # Every group is prefilled before any row is placed: a failing group (an expired
+        # sampler) leaves the batch as it was, so the batcher can retry each request alone.
         for key, members in groups.items():
             module, adapter = self._activate(key)
             if adapter is not None and adapter not in self._loras:
-                self._loras[adapter] = self._lora_weights(adapter)
+                loras[adapter] = self._lora_weights(adapter)
             unique: dict[bytes, int] = {}
             sources = [unique.setdefault(jobs[j].prompt.tobytes(), len(unique)) for j in members]
             prompts = [None] * len(unique)
@@ -152,7 +154,11 @@ class SlotBatch(DecodeBatch):
             )  # fmt: skip
             done.extend(group_done)
             if rows:
-                self._place(rows, expand, prompts, layers, logits[:, -1, :].float(), width, adapter)
+                last = logits[:, -1, :].float()
+                placed.append((rows, expand, prompts, layers, last, width, adapter))
+        self._loras.update(loras)
+        for group in placed:
+            self._place(*group)
         self._row_params()
         return done
 
