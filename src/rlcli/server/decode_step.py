@@ -155,10 +155,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def _lora(x: torch.Tensor, stacked, mask: torch.Tensor) -> torch.Tensor:
     """The rows' LoRA deltas for one projection: ``x`` [B, in] into every present adapter's A
-    (stacked [in, adapters x rank]), each row's own block kept by ``mask`` (its scaling in
-    it), out through the stacked B [adapters x rank, out]. Float32, as peft computes it."""
+    (stacked [adapters x rank, in]), each row's own block kept by ``mask``, out through the
+    stacked B [out, adapters x rank] (its scaling in it). Float32 ``F.linear``s, as peft's
+    (a plain ``x @ a`` of these skinny shapes was ~2x slower eager)."""
     a, b = stacked
-    return ((x.float() @ a) * mask) @ b
+    return F.linear(F.linear(x.float(), a) * mask, b)
 
 
 class LlamaStep(torch.nn.Module):
@@ -327,8 +328,8 @@ class Compiled:
             for pair in (*lora[1], (lora[2],)):
                 for a_b in pair:
                     if a_b is not None:
-                        torch._dynamo.maybe_mark_dynamic(a_b[0], 1)
-                        torch._dynamo.maybe_mark_dynamic(a_b[1], 0)
+                        torch._dynamo.maybe_mark_dynamic(a_b[0], 0)
+                        torch._dynamo.maybe_mark_dynamic(a_b[1], 1)
         started, before = time.perf_counter(), self.compiles
         try:
             out = self._fn(tokens, positions, keys, values, lora)

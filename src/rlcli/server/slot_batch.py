@@ -34,9 +34,10 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
 
 class LoraStack:
     """The LoRA of the adapters present in a batch, stacked for ``decode_step._lora``: per
-    projection group (q/k/v fused, o, gate/up fused, down) A [in, adapters x parts x rank] and
-    a block-diagonal B [adapters x parts x rank, out]; per row a 0/1 mask over the columns of
-    its own adapter. Ranks are padded to the largest; a projection no adapter has is None."""
+    projection group (q/k/v fused, o, gate/up fused, down) A [adapters x parts x rank, in] and
+    a block-diagonal B [out, adapters x parts x rank] (Linear layouts, as peft's); per row a
+    0/1 mask over the columns of its own adapter. Ranks are padded to the largest; a
+    projection no adapter has is None."""
 
     def __init__(self, step: LlamaStep, adapters: list[LoraWeights]) -> None:
         self.count = len(adapters)
@@ -62,16 +63,16 @@ class LoraStack:
         first = next(p for per_adapter in parts for p in per_adapter if p is not None)
         width = first[0].shape[1]
         r, n = self.rank, len(outs)
-        a_all = first[0].new_zeros(width, self.count * n * r)
-        b_all = first[0].new_zeros(self.count * n * r, sum(outs))
+        a_all = first[0].new_zeros(self.count * n * r, width)
+        b_all = first[0].new_zeros(sum(outs), self.count * n * r)
         for k, per_adapter in enumerate(parts):
             offset = 0
             for p, (pair, out) in enumerate(zip(per_adapter, outs, strict=True)):
                 if pair is not None:
                     a, b = pair
                     col = (k * n + p) * r
-                    a_all[:, col : col + a.shape[0]] = a.t()
-                    b_all[col : col + a.shape[0], offset : offset + out] = b.t()
+                    a_all[col : col + a.shape[0]] = a
+                    b_all[offset : offset + out, col : col + a.shape[0]] = b
                 offset += out
         return a_all, b_all
 
