@@ -29,6 +29,10 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # tests talk to our server only
+# Compiling the decode step costs seconds to a minute per batch bucket on a CPU, more than a
+# test's few tokens save: servers and engines here run it eager; the compile tests (and
+# benchmarks) turn it on themselves.
+os.environ["RLCLI_COMPILE"] = "0"
 # Runs, server records and the run index go to a scratch home, never the user's ~/.rlcli
 # (tests that need a home of their own set RLCLI_HOME themselves).
 os.environ["RLCLI_HOME"] = tempfile.mkdtemp(prefix="rlcli-test-home-")

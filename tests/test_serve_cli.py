@@ -36,7 +36,10 @@ def home(tmp_path):
 
 def test_start_status_logs_stop(home, tiny_model):
     port = free_port()
-    started = rlcli(home, "serve", "start", "--base-model", str(tiny_model), "--port", str(port))
+    started = rlcli(
+        home, "serve", "start", "--base-model", str(tiny_model), "--port", str(port),
+        "--no-compile",
+    )  # fmt: skip
     assert started.returncode == 0, started.stderr
     assert started.stdout.strip() == f"http://127.0.0.1:{port}"
     assert f"OpenAI-compatible API: http://127.0.0.1:{port}/v1" in started.stderr
@@ -49,6 +52,7 @@ def test_start_status_logs_stop(home, tiny_model):
     assert info["base_model"] == str(tiny_model)
     assert info["pid"] > 0 and info["uptime_s"] >= 0
     assert info["device"] == "cpu"
+    assert info["decode_step"] == "rlcli llama step" and info["compile"] == "off"
 
     again = quick(home, "serve", "start", "--base-model", str(tiny_model), "--port", str(port))
     assert again.returncode == 1
@@ -109,6 +113,10 @@ def test_unknown_flag_and_backend_are_refused(home, tiny_model):
     assert result.returncode == 1 and "--backend tpu: unknown backend" in result.stderr
     result = quick(home, "serve", "start", "--bogus")
     assert result.returncode == 2 and "No such option" in result.stderr
+    result = quick(
+        home, "serve", "start", "--base-model", str(tiny_model), "--backend", "jax", "--no-compile"
+    )
+    assert result.returncode == 1 and "--no-compile: only for --backend torch" in result.stderr
 
 
 def test_help_is_fast_and_does_not_import_torch(home):

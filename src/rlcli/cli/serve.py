@@ -63,6 +63,12 @@ def start(
         show_default=False,
     ),
     max_lora_rank: int = typer.Option(64, help="Largest LoRA rank a client may ask for."),
+    no_compile: bool = typer.Option(
+        False,
+        "--no-compile",
+        help="Run the decode step eager instead of compiling it with torch.compile (the first "
+        "sample at each batch size then starts at once instead of after a compile).",
+    ),
     checkpoints_dir: Path = typer.Option(
         None, help="Where checkpoints live (default $RLCLI_HOME/checkpoints)."
     ),
@@ -115,6 +121,8 @@ def start(
     if backend not in BACKENDS:
         raise RlcliError(f"--backend {backend}: unknown backend; choose from {', '.join(BACKENDS)}")
     process.check_exposure(host, api_key, insecure, takes_key=backend == "torch")
+    if no_compile and backend != "torch":
+        raise RlcliError("--no-compile: only for --backend torch (SkyRL's vLLM compiles its own)")
     if backend != "torch":
         _start_skyrl(
             backend, base_model, host, port, device=device, dtype=dtype, api_key=api_key,
@@ -154,6 +162,7 @@ def start(
         max_body_mb=max_body_mb,
         max_upload_gb=max_upload_gb,
         api_key=api_key,
+        compile=False if no_compile else None,
     )
     launch = torch_backend.launch(options)
     if dry_run:
@@ -293,6 +302,9 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print as JSON."))
         result.update(
             device=engine.get("device"),
             dtype=engine.get("dtype"),
+            decode_step=engine.get("decode_step"),
+            compile=engine.get("compile"),
+            compile_seconds=engine.get("compile_seconds"),
             training_clients=server.get("models"),
             pending_requests=server.get("pending_requests"),
         )

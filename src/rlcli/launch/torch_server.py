@@ -28,6 +28,7 @@ class TorchServerOptions:
     max_sample_tokens: int = 16384
     max_body_mb: float = 256.0
     max_upload_gb: float = 16.0
+    compile: bool | None = None  # compile the decode step; None: the server's default (on)
 
 
 def check_base_model(name: str, report=None) -> str:
@@ -69,6 +70,8 @@ def server_command(options: TorchServerOptions) -> list[str]:
         command += ["--microbatch-tokens", str(options.microbatch_tokens)]
     if options.checkpoints_dir:
         command += ["--checkpoints-dir", options.checkpoints_dir]
+    if options.compile is not None:
+        command.append(f"--{'' if options.compile else 'no-'}compile")
     return command  # the API key travels in the environment (API_KEY_ENV), not in `ps`
 
 

@@ -28,6 +28,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-sample-tokens", type=int, default=16384)
     parser.add_argument("--max-body-mb", type=_positive_float, default=256.0)
     parser.add_argument("--max-upload-gb", type=_positive_float, default=16.0)
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Compile the decode step with torch.compile (default: on, unless RLCLI_COMPILE=0); "
+        "--no-compile runs it eager.",
+    )
     args = parser.parse_args(argv)
 
     import uvicorn

@@ -2,9 +2,11 @@
 
 A request that arrives while others decode is prefilled and joins the running batch at the next
 decode step; finished rows leave it, so a late request never waits for a whole second decode.
-One batch runs at a time, on one sampler (the base model or one adapter snapshot); requests for
-another sampler wait until it empties. ``Engine.sample`` is the simpler version: a fixed set of
-requests decoded to the end (what a failed batch falls back to, to find the culprit).
+One batch runs at a time. On our decode step (``slot_batch.SlotBatch``) its rows may belong to
+any samplers (the base model, several clients' adapter snapshots); on transformers' forward
+(other architectures) to one, and requests for another sampler wait until it empties.
+``Engine.sample`` is the simpler version: a fixed set of requests decoded to the end (what a
+failed batch falls back to, to find the culprit).
 """
 
 from __future__ import annotations
@@ -104,13 +106,14 @@ class Batcher:
         return replies
 
     def _take(self) -> list[tuple[Any, SampleJob]]:
-        """Waiting requests for the running sampler, in order, while rows stay within
-        ``max_rows`` (a request bigger than that runs alone)."""
+        """Waiting requests the running batch accepts (its sampler, or any its decode step can
+        apply), in order, while rows stay within ``max_rows`` (a bigger request runs alone)."""
         rows = len(self.batch)
         taken, left = [], deque()
         for item in self.waiting:
             n = item[1].num_samples
-            if item[1].sampler == self.key and (rows + n <= self.max_rows or not rows):
+            fits = rows + n <= self.max_rows or not rows
+            if fits and self.batch.accepts(item[1].sampler):
                 taken.append(item)
                 rows += n
             else:

@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from rlcli.models.tokenizer import end_of_turn_id
-from rlcli.server import attention, checkpoints, finite, logprobs, losses, precision
+from rlcli.server import attention, checkpoints, decode_step, finite, logprobs, losses, precision
 from rlcli.server.errors import UserError
 from rlcli.server.samplers import SamplerCache
-from rlcli.server.sampling import DecodeBatch, SampleJob, SampleOutput, generate
+from rlcli.server.sampling import DecodeBatch, SampleJob, SampleOutput, decode_all
+from rlcli.server.slot_batch import SlotBatch
 from rlcli.server.wire import DatumArrays
 
 log = logging.getLogger("rlcli.engine")
@@ -152,7 +153,9 @@ class Engine:
         grad_checkpointing: bool | None = None,
         microbatch_tokens: int | None = None,
         max_lora_rank: int = 64,
+        compile: bool | None = None,
     ) -> None:
+        """``compile``: compile the decode step (None: unless ``RLCLI_COMPILE=0``)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.base_model = base_model
@@ -180,6 +183,18 @@ class Engine:
         self._split_head = self._head_matches_model()
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 0) or 32768
         self.layer_groups = lora_layer_groups(self.model)  # before peft wraps any layer
+        # Our own decode step where the architecture allows it (before peft wraps a layer:
+        # it fuses the base projections' weights in place), else transformers' forward.
+        self.decoder: decode_step.Compiled | None = None
+        self.decode_path = "transformers"
+        why = decode_step.unsupported(self.model)
+        if why is None:
+            step = decode_step.LlamaStep(self.model, self.max_context)
+            self.decoder = decode_step.Compiled(step, decode_step.compile_wanted(compile))
+            self.decode_path = "rlcli llama step"
+        else:
+            log.info("decode step: transformers' forward for this model (%s)", why)
+        self._lora_support: dict[str, bool] = {}  # peft adapter -> the step can apply it
         self.peft = None  # the PeftModel, once the first adapter exists
         self._adapters_off = False  # every LoRA layer switched off: the peft model is the base
         self.adapters: dict[str, Adapter] = {}
@@ -278,7 +293,14 @@ class Engine:
             ),
             "losses": sorted(losses.LOSSES),
             "eos_ids": list(self.eos_ids),  # what ends a sample (EOS, end of turn)
+            "decode_step": self.decode_path,
+            **(self.decoder.info() if self.decoder is not None else {}),
         }
+
+    def compiled_graphs(self) -> int:
+        """Decode-step graphs compiled so far (the engine process re-reports its info when
+        this changes, so ``/rlcli/status`` shows the compile times)."""
+        return self.decoder.compiles if self.decoder is not None else 0
 
     def create_adapter(
         self,
@@ -620,13 +642,13 @@ class Engine:
             groups.setdefault(job.sampler, []).append(i)
         for key, indices in groups.items():
             try:
-                module = self._sampler_module(key)
+                self._sampler_module(key)
             except Exception as e:
                 for i in indices:
                     results[i] = e
                 continue
             for chunk in _row_chunks([jobs[i] for i in indices], indices):
-                outs = self._generate(module, [jobs[i] for i in chunk])
+                outs = self._generate(key, [jobs[i] for i in chunk])
                 for i, out in zip(chunk, outs, strict=True):
                     results[i] = out
         return results
@@ -639,28 +661,99 @@ class Engine:
         return job
 
     def decode_batch(self, key: str | None) -> DecodeBatch:
-        """An empty batch decoding on sampler ``key``, which is activated now: nothing else
-        may run on the engine until the batch is empty (``batcher.py`` sees to that)."""
+        """An empty batch that starts on sampler ``key``: nothing else may run on the engine
+        until it is empty (``batcher.py`` sees to that). On our decode step (``SlotBatch``)
+        requests of any sampler it ``accepts`` may join it; on transformers' forward only
+        ``key``'s, which is activated now."""
+        if self.decoder is not None and self._step_accepts(key):
+            return SlotBatch(
+                self.decoder,
+                activate=self._prefill_module,
+                lora_weights=self._lora_weights,
+                accepts=self._step_accepts,
+                max_length=self.max_context,
+                device=self.device,
+                pad_id=self.pad_id,
+                decode=self.tokenizer.decode,
+            )
         module = self._sampler_module(key)
-        return DecodeBatch(
+        batch = DecodeBatch(
             module, device=self.device, pad_id=self.pad_id, decode=self.tokenizer.decode
         )
+        batch.key = key
+        return batch
 
-    def _generate(self, module, jobs: list[SampleJob]) -> list[SampleOutput | Exception]:
-        def run(batch):
-            return generate(
-                module, batch, device=self.device, pad_id=self.pad_id, decode=self.tokenizer.decode
-            )
+    def _prefill_module(self, key: str | None) -> tuple[torch.nn.Module, str | None]:
+        """The module that prefills for sampler ``key`` and its peft adapter (None: base)."""
+        module = self._sampler_module(key)
+        return module, None if key is None else self.peft.active_adapter
 
+    def _step_accepts(self, key: str | None) -> bool:
+        """Whether the decode step can sample ``key``: the base, or a plain LoRA on the
+        projections it knows (no DoRA, no LoRA bias, no embedding or extra modules). A key
+        that fails to load is accepted: its request gets the error when it is prefilled."""
+        if key is None:
+            return True
         try:
-            return run(jobs)
+            name = self.samplers.activate(key)
+        except Exception:  # noqa: BLE001 - answered at prefill
+            return True
+        if name not in self._lora_support:
+            self._lora_support[name] = self._plain_lora(name)
+            if not self._lora_support[name]:
+                log.info("sampler %s: its LoRA needs transformers' forward", key)
+        return self._lora_support[name]
+
+    def _plain_lora(self, name: str) -> bool:
+        from peft.tuners.lora import LoraLayer
+
+        config = self.peft.peft_config[name]
+        if getattr(config, "use_dora", False) or getattr(config, "lora_bias", False):
+            return False
+        if getattr(config, "modules_to_save", None):
+            return False
+        layers = [
+            m for m in self.peft.modules()
+            if isinstance(m, LoraLayer)
+            and (name in m.lora_A or name in getattr(m, "lora_embedding_A", {}))
+        ]  # fmt: skip
+        return len(layers) == len(self._lora_weights(name))
+
+    def _lora_weights(self, name: str) -> dict:
+        """Peft adapter ``name``'s LoRA as the decode step takes it: {(layer, projection) or
+        "lm_head": (A [r, in], B [out, r] x scaling)}, float32 copies (the adapter may be
+        unloaded while rows still decode with it)."""
+        from peft.tuners.lora import LoraLayer
+
+        def pair(module):
+            if not isinstance(module, LoraLayer) or name not in module.lora_A:
+                return None
+            a = module.lora_A[name].weight.detach().float().clone()
+            b = module.lora_B[name].weight.detach().float() * module.scaling[name]
+            return a, b
+
+        found = {}
+        for i, layer in enumerate(self.model.model.layers):
+            for proj in decode_step.PROJECTIONS:
+                parent = layer.self_attn if proj in decode_step.ATTN else layer.mlp
+                weights = pair(getattr(parent, proj))
+                if weights is not None:
+                    found[(i, proj)] = weights
+        head = pair(self.model.get_output_embeddings())
+        if head is not None:
+            found[decode_step.HEAD] = head
+        return found
+
+    def _generate(self, key: str | None, jobs: list[SampleJob]) -> list[SampleOutput | Exception]:
+        try:
+            return decode_all(self.decode_batch(key), jobs)
         except Exception as e:
             if len(jobs) == 1:
                 log.exception("sampling failed")
                 return [e]
         out: list[SampleOutput | Exception] = []
         for job in jobs:  # isolate the culprit: the others still get their samples
-            out.extend(self._generate(module, [job]))
+            out.extend(self._generate(key, [job]))
         return out
 
     def _require(self, model_id: str) -> Adapter:

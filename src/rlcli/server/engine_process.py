@@ -163,6 +163,7 @@ def engine_main(settings: dict[str, Any], requests, results) -> None:
             grad_checkpointing=settings.get("grad_checkpointing"),
             microbatch_tokens=settings.get("microbatch_tokens"),
             max_lora_rank=settings.get("max_lora_rank", 64),
+            compile=settings.get("compile"),
         )
     except Exception as e:
         log.error("engine failed to start:\n%s", traceback.format_exc())
@@ -189,7 +190,11 @@ def serve(
 
     batcher = batcher or Batcher(engine, join=join)  # a benchmark may pass one to watch
     pending: deque = deque()  # read from the queue, not yet run, in order
+    graphs = 0
     while True:
+        if getattr(engine, "compiled_graphs", None) and engine.compiled_graphs() != graphs:
+            graphs = engine.compiled_graphs()  # new compile times for /rlcli/status
+            results.put((READY, "ok", engine.info()))
         if not pending and not batcher.busy:
             item = _next(requests, parent)
             if item is None:  # stop, or the HTTP process is gone

@@ -226,7 +226,8 @@ class DecodeBatch:
 
     def __init__(self, model, *, device: torch.device, pad_id: int, decode) -> None:
         self.model, self.device, self.pad_id, self.decode = model, device, pad_id, decode
-        self.can_join = _full_attention_only(model)
+        self.key: str | None = None  # the sampler it decodes (the engine sets it)
+        self.can_join = model is None or _full_attention_only(model)
         self.rows: list[_Row] = []
         self.steps = 0  # decode forward passes run
         # Streaming requests' tokens drawn since the caller last took them: ticket -> list of
@@ -238,6 +239,10 @@ class DecodeBatch:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def accepts(self, key: str | None) -> bool:
+        """Whether a request for sampler ``key`` can join: on this path, only its own."""
+        return key == self.key
 
     @torch.inference_mode()
     def admit(self, jobs: list[SampleJob], tickets: list[Any]) -> list[tuple[Any, SampleOutput]]:
@@ -263,14 +268,31 @@ class DecodeBatch:
             logits_to_keep=0 if want_prompt else 1,
         )
         logits = out.logits
+        done, entries, expand = self._prepare(
+            jobs, tickets, lambda j, n, all_=logits: all_[j, width - n :], range(len(jobs))
+        )
+        next_logits = logits[:, -1, :].float()
+        del out, logits
+        if not entries:
+            return done
+        index = torch.tensor(expand, device=dev)
+        layers = [(layer.keys[index], layer.values[index]) for layer in cache.layers]
+        self._merge(entries, layers, attention[index], positions[index, -1], next_logits[index])
+        return done
+
+    def _prepare(self, jobs, tickets, prompt_logits, sources):
+        """Each job's prompt outputs and its rows (one per sample). ``prompt_logits(j, n)``:
+        the logits [n, V] over job ``j``'s prompt, where ``j`` is the job's entry of
+        ``sources`` (its row in the prefill). Returns (requests already done, new rows,
+        the prefill row of each new row)."""
         done, entries, expand = [], [], []
-        for j, (job, ticket) in enumerate(zip(jobs, tickets, strict=True)):
+        for j, job, ticket in zip(sources, jobs, tickets, strict=True):
             entry = _Job(job, ticket, SampleOutput(sequences=[None] * job.num_samples), 0)
             entry.stops = frozenset(job.stop_tokens)
             n = len(job.prompt)
             if job.prompt_logprobs or job.topk_prompt_logprobs:
                 values, top = prompt_logprob_arrays(
-                    logits[j, width - n :], torch.from_numpy(job.prompt).to(dev),
+                    prompt_logits(j, n), torch.from_numpy(job.prompt).to(self.device),
                     job.topk_prompt_logprobs,
                 )  # fmt: skip
                 if job.prompt_logprobs_last_n is not None:  # scored: the last N only
@@ -280,7 +302,7 @@ class DecodeBatch:
                 generator = None
                 if job.seed is not None:
                     generator = torch.Generator().manual_seed(row_seed(job.seed, 2**20))
-                extras = prompt_extras(logits[j, width - n :], job, generator)
+                extras = prompt_extras(prompt_logits(j, n), job, generator)
                 entry.output.target_prompt = extras.get("target_prompt")
                 entry.output.target_layout = job.target_sparse
                 entry.output.prompt_alt = extras.get("prompt_alt")
@@ -301,14 +323,7 @@ class DecodeBatch:
                     row.topk = []
                 entries.append(row)
                 expand.append(j)
-        next_logits = logits[:, -1, :].float()
-        del out, logits
-        if not entries:
-            return done
-        index = torch.tensor(expand, device=dev)
-        layers = [(layer.keys[index], layer.values[index]) for layer in cache.layers]
-        self._merge(entries, layers, attention[index], positions[index, -1], next_logits[index])
-        return done
+        return done, entries, expand
 
     def _new_cache(self):
         if self.can_join:
@@ -351,7 +366,7 @@ class DecodeBatch:
         return cache
 
     def _row_params(self) -> None:
-        self._padded = bool((self._attention == 0).any())
+        self._padded = self._attention is not None and bool((self._attention == 0).any())
 
         def per_row(attr, dtype):
             values = [getattr(row.job.job, attr) for row in self.rows]
@@ -416,6 +431,12 @@ class DecodeBatch:
             chosen = chosen[keep] if keep else chosen[:0]
         if not self.rows:
             return done
+        self._forward(chosen)
+        self.steps += 1
+        return done
+
+    def _forward(self, chosen: torch.Tensor) -> None:
+        """Run the model on each row's drawn token; sets the next step's logits."""
         self._position = self._position + 1
         ones = torch.ones(len(self.rows), 1, dtype=torch.long, device=self.device)
         self._attention = torch.cat([self._attention, ones], 1)
@@ -428,8 +449,6 @@ class DecodeBatch:
             past_key_values=self._cache,
         )
         self._next_logits = out.logits[:, -1, :].float()
-        self.steps += 1
-        return done
 
     def cancel(self, ticket: Any) -> bool:
         """Drop every row of request ``ticket`` (its client went away) between two steps;
@@ -534,12 +553,9 @@ def _cat_left(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([pad(old), pad(new)])
 
 
-def generate(
-    model, jobs: list[SampleJob], *, device: torch.device, pad_id: int, decode
-) -> list[SampleOutput]:
-    """Sample every job's rows in one batch on ``model`` (already set to the right adapter),
-    decoding to the end."""
-    batch = DecodeBatch(model, device=device, pad_id=pad_id, decode=decode)
+def decode_all(batch: DecodeBatch, jobs: list[SampleJob]) -> list[SampleOutput]:
+    """Sample every job's rows on ``batch`` (empty, from ``Engine.decode_batch``), decoding
+    to the end."""
     outputs: list[SampleOutput | None] = [None] * len(jobs)
     finished = batch.admit(jobs, list(range(len(jobs))))
     while len(batch):

@@ -47,6 +47,7 @@ class Settings:
     max_sample_tokens: int = 16384  # the most tokens one sample request may ask for
     max_body_mb: float = 256.0  # any request body (after zstd), except restore uploads
     max_upload_gb: float = 16.0  # a restore upload (a LoRA state: adapter + AdamW moments)
+    compile: bool | None = None  # compile the decode step; None: unless RLCLI_COMPILE=0
 
     @property
     def max_body_bytes(self) -> int:
@@ -64,6 +65,7 @@ class Settings:
             "grad_checkpointing": self.grad_checkpointing,
             "microbatch_tokens": self.microbatch_tokens,
             "max_lora_rank": self.max_lora_rank,
+            "compile": self.compile,
             "threads": self.threads,
         }
 

@@ -1,0 +1,356 @@
+"""Our own decode step for Llama-family models: one token per row, static shapes, no Python
+work per layer that depends on the batch, compiled once per batch-size bucket.
+
+transformers' forward costs a decode step far more than its matmuls (SmolLM2 at batch 8: ~95
+ms a step, of which the projections are ~27 ms): 30 layers of small ops dispatched one by one,
+peft's per-module LoRA, masks and positions rebuilt every step. This step is the same
+arithmetic on tensors laid out for it:
+- q/k/v are one matmul and gate/up another: the base model's own ``Linear`` weights become
+  views into the fused tensors (frozen, so memory is not doubled and training sees the same
+  weights);
+- a slot cache: each row owns slot ``b`` of a preallocated ``[B, kv_heads, S, head_dim]`` K/V
+  tensor per layer, writes its token's K/V at its own position, and attends to keys at indices
+  ``<= position`` (no left padding; a row joining mid-decode just fills a free slot);
+- LoRA for the rows of several adapters at once (``LoraStack``): per projection one matmul
+  into the stacked A of every adapter present, a per-row mask keeping each row's own block,
+  and one matmul out of the stacked B; a base-only batch runs no LoRA op at all.
+
+The arithmetic copies the HF modules exactly, dtype for dtype (``precision.py``'s bf16 matmuls
+with float32 results, RMSNorm's casts, RoPE tables in the embedding's dtype), so sampled
+logprobs agree with training's forward within the precision's tolerance (tested). Anything the
+step does not know (another model type, sliding windows, dynamic RoPE, biases in the MLP, a
+DoRA adapter) uses the HF path (``sampling.DecodeBatch``) instead, with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("rlcli.engine")
+
+MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+# RoPE variants whose cos/sin depend on the position alone: one table serves every step.
+ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+PROJECTIONS = (*ATTN, *MLP)
+HEAD = "lm_head"
+# Batch-size buckets: a batch runs at the smallest bucket that holds its rows (one compiled
+# graph each), and a cache grows its length by doubling from MIN_LENGTH.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_LENGTH = 128
+
+
+def compile_wanted(flag: bool | None) -> bool:
+    """``--no-compile`` (False), or by default the ``RLCLI_COMPILE`` environment variable
+    (``0`` turns it off: the test suite's servers, where compiling would cost more than it
+    saves)."""
+    if flag is not None:
+        return flag
+    return os.environ.get("RLCLI_COMPILE", "1") != "0"
+
+
+def bucket(rows: int) -> int:
+    for size in BUCKETS:
+        if size >= rows:
+            return size
+    return rows
+
+
+def unsupported(model) -> str | None:
+    """Why the step cannot run ``model`` (None: it can)."""
+    config = model.config
+    if config.model_type not in MODEL_TYPES:
+        return f"model_type {config.model_type!r}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r}"
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "nested"
+    if rope_type not in ROPE_TYPES:
+        return f"rope_type {rope_type!r}"
+    types = getattr(config, "layer_types", None)
+    if types is not None and any(t != "full_attention" for t in types):
+        return "sliding-window layers"
+    if (
+        types is None
+        and getattr(config, "sliding_window", None)
+        and getattr(config, "use_sliding_window", True)
+    ):
+        return "a sliding window"
+    if getattr(config, "mlp_bias", False):
+        return "biases in the MLP"
+    if getattr(config, "final_logit_softcapping", None):
+        return "a logit soft-cap"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "an unexpected module layout"
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [getattr(attn, n, None) for n in ATTN] + [getattr(mlp, n, None) for n in MLP]
+        if any(type(m).__name__ not in {"Linear", "Bf16Linear"} for m in linears):
+            return "projections that are not plain Linear layers"
+        if not type(layer.input_layernorm).__name__.endswith("RMSNorm"):
+            return "a norm that is not RMSNorm"
+    return None
+
+
+class LayerWeights(torch.nn.Module):
+    """One layer's tensors, as buffers (never copied: views of the model's own weights), so a
+    compiler sees them as the module's state and not as inputs to copy in each call."""
+
+    NAMES = ("qkv", "qkv_bias", "o", "o_bias", "gate_up", "down", "norm_in", "norm_post",
+             "q_norm", "k_norm")  # fmt: skip
+
+    def __init__(self, *tensors) -> None:
+        super().__init__()
+        for name, tensor in zip(self.NAMES, tensors, strict=True):
+            self.register_buffer(name, tensor, persistent=False)
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for ``linears``, whose own weights become views into it."""
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in linears])
+        bias = None
+        if all(m.bias is not None for m in linears):
+            bias = torch.cat([m.bias for m in linears])
+        start = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            m.weight.data = weight[start : start + n]
+            if bias is not None:
+                m.bias.data = bias[start : start + n]
+            start += n
+    if bias is None and any(m.bias is not None for m in linears):
+        raise ValueError("some fused projections have a bias and some do not")
+    return weight, bias
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """As the model's own Linear computes: a float32 layer as is, a bf16 one as
+    ``precision.Bf16Linear`` (bf16 matmul, float32 result)."""
+    if weight.dtype == torch.float32:
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias).float()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama/Qwen RMSNorm, casts included."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _lora(x: torch.Tensor, stacked, mask: torch.Tensor) -> torch.Tensor:
+    """The rows' LoRA deltas for one projection: ``x`` [B, in] into every present adapter's A
+    (stacked [adapters x rank, in]), each row's own block kept by ``mask``, out through the
+    stacked B [out, adapters x rank] (its scaling in it). Float32 ``F.linear``s, as peft's
+    (a plain ``x @ a`` of these skinny shapes was ~2x slower eager)."""
+    a, b = stacked
+    return F.linear(F.linear(x.float(), a) * mask, b)
+
+
+class LlamaStep(torch.nn.Module):
+    """The decode step of one Llama-family model (see the module docstring).
+
+    ``forward(tokens [B], positions [B], keys, values, lora)`` runs one token per slot:
+    writes each slot's K/V at its position, returns float32 logits [B, vocab]. ``keys`` and
+    ``values`` are per layer ``[B, kv_heads, S, head_dim]``; ``lora`` is None (base only) or
+    a ``LoraStack.tensors()`` tuple."""
+
+    def __init__(self, model, max_positions: int) -> None:
+        super().__init__()
+        config = model.config
+        inner = model.model
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling = self.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+        self.layers = torch.nn.ModuleList()
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
+            q_norm = getattr(attn, "q_norm", None)
+            k_norm = getattr(attn, "k_norm", None)
+            self.layers.append(
+                LayerWeights(
+                    qkv, qkv_bias, attn.o_proj.weight, attn.o_proj.bias, gate_up,
+                    mlp.down_proj.weight, layer.input_layernorm.weight,
+                    layer.post_attention_layernorm.weight,
+                    None if q_norm is None else q_norm.weight,
+                    None if k_norm is None else k_norm.weight,
+                )
+            )  # fmt: skip
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.intermediate = self.layers[0].gate_up.shape[0] // 2
+        head = model.get_output_embeddings()
+        cos, sin = self._rope_tables(inner, max_positions)
+        buffers = {
+            "embed": inner.embed_tokens.weight,
+            "final_norm": inner.norm.weight,
+            "head": getattr(head, "weight32", head.weight),  # precision.Float32Head's copy
+            "head_bias": None if head.bias is None else head.bias.float(),
+            "cos": cos,
+            "sin": sin,
+        }
+        for name, tensor in buffers.items():
+            self.register_buffer(name, tensor, persistent=False)
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+
+    @torch.no_grad()
+    def _rope_tables(self, inner, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions 0..length-1 from the model's own rotary module, in the
+        embedding's dtype (as the model's forward casts them)."""
+        weight = inner.embed_tokens.weight
+        probe = torch.zeros(1, dtype=weight.dtype, device=weight.device)
+        positions = torch.arange(length, device=probe.device).unsqueeze(0)
+        cos, sin = inner.rotary_emb(probe, positions)
+        return cos[0], sin[0]
+
+    def new_cache(self, rows: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zeroed K/V slots: per layer [rows, kv_heads, length, head_dim], float32 as the
+        model's projections return them (what training's forward attends to)."""
+        shape = (rows, self.num_kv_heads, length, self.head_dim)
+        make = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in self.layers]
+        return make, [torch.zeros_like(k) for k in make]
+
+    def forward(self, tokens, positions, keys, values, lora=None):
+        rows = tokens.shape[0]
+        length = keys[0].shape[2]
+        h = F.embedding(tokens, self.embed)  # [B, hidden]
+        cos = self.cos[positions].unsqueeze(1)  # [B, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        # [B, 1, 1, S], additive (built once, not converted by every layer's attention): each
+        # slot sees its keys up to its own position.
+        hidden = torch.arange(length, device=tokens.device) > positions.unsqueeze(-1)
+        mask = torch.zeros(hidden.shape, device=tokens.device).masked_fill(hidden, float("-inf"))
+        mask = mask[:, None, None, :]
+        slot = torch.arange(rows, device=tokens.device).unsqueeze(-1)
+        heads = torch.arange(self.num_kv_heads, device=tokens.device).unsqueeze(0)
+        where = (slot, heads, positions.unsqueeze(-1))
+        masks, per_layer, head_lora = lora if lora is not None else (None, None, None)
+        for i, w in enumerate(self.layers):
+            x = _rms_norm(h, w.norm_in, self.eps)
+            qkv = _linear(x, w.qkv, w.qkv_bias)
+            if per_layer is not None and per_layer[i][0] is not None:
+                qkv = qkv + _lora(x, per_layer[i][0], masks[3])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(rows, self.num_heads, self.head_dim)
+            k = k.view(rows, self.num_kv_heads, self.head_dim)
+            v = v.view(rows, self.num_kv_heads, self.head_dim)
+            if w.q_norm is not None:
+                q = _rms_norm(q, w.q_norm, self.eps)
+                k = _rms_norm(k, w.k_norm, self.eps)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            keys[i].index_put_(where, k)
+            values[i].index_put_(where, v)
+            a = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys[i], values[i], attn_mask=mask, scale=self.scaling,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            ).reshape(rows, self.q_size)  # fmt: skip
+            o = _linear(a, w.o, w.o_bias)
+            if per_layer is not None and per_layer[i][1] is not None:
+                o = o + _lora(a, per_layer[i][1], masks[1])
+            h = h + o
+            x = _rms_norm(h, w.norm_post, self.eps)
+            gu = _linear(x, w.gate_up, None)
+            if per_layer is not None and per_layer[i][2] is not None:
+                gu = gu + _lora(x, per_layer[i][2], masks[2])
+            gate, up = gu.split([self.intermediate, self.intermediate], dim=-1)
+            m = F.silu(gate) * up
+            d = _linear(m, w.down, None)
+            if per_layer is not None and per_layer[i][3] is not None:
+                d = d + _lora(m, per_layer[i][3], masks[1])
+            h = h + d
+        x = _rms_norm(h, self.final_norm, self.eps)
+        logits = F.linear(x.float(), self.head, self.head_bias)
+        if head_lora is not None:
+            logits = logits + _lora(x, head_lora, masks[1])
+        return logits
+
+
+class Compiled:
+    """``LlamaStep`` compiled lazily (CPU: inductor; CUDA: CUDA graphs), one graph per batch
+    bucket and LoRA layout; eager where compilation fails (one log line) or is off.
+
+    ``compiles`` counts graphs built and ``seconds`` their compile times (the engine's info,
+    so ``/rlcli/status``, shows them): a test checks that requests reuse them."""
+
+    def __init__(self, step: LlamaStep, enabled: bool) -> None:
+        self.step = step
+        self.enabled = enabled
+        self.compiles = 0
+        self.seconds: dict[str, float] = {}
+        self.failed: str | None = None
+        self._fn = None
+        if enabled:
+            # A graph per batch bucket, with LoRA or not (and per LoRA layout: which
+            # projections have one): more than dynamo's default limit of 8.
+            config = torch._dynamo.config
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(config, name):
+                    setattr(config, name, max(getattr(config, name), 64))
+            self._fn = torch.compile(step, backend=self._backend)
+
+    def _backend(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.compiles += 1
+        patches = {"triton.cudagraphs": True} if self.step.device.type == "cuda" else {}
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def __call__(self, tokens, positions, keys, values, lora=None):
+        if self._fn is None:
+            return self.step(tokens, positions, keys, values, lora)
+        # One graph for every cache length and LoRA width (they change as rows come and go);
+        # the batch size stays static: a graph per bucket.
+        for t in (*keys, *values):
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+        if lora is not None:
+            for t in lora[0][1:]:
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            for pair in (*lora[1], (lora[2],)):
+                for a_b in pair:
+                    if a_b is not None:
+                        torch._dynamo.maybe_mark_dynamic(a_b[0], 0)
+                        torch._dynamo.maybe_mark_dynamic(a_b[1], 1)
+        started, before = time.perf_counter(), self.compiles
+        try:
+            out = self._fn(tokens, positions, keys, values, lora)
+        except Exception as e:  # noqa: BLE001 - a compiler failure: run eager from now on
+            out = self.step(tokens, positions, keys, values, lora)  # its own error: raised
+            why = f"{type(e).__name__}: {e}"
+            log.warning("decode step: compiling failed, running eager (%s)", why)
+            self.failed = why[:300]
+            self._fn = None
+            return out
+        if self.compiles > before:
+            took = time.perf_counter() - started
+            name = f"batch {tokens.shape[0]}" + ("" if lora is None else " +lora")
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + took, 2)
+            log.info("decode step compiled for %s in %.1f s", name, took)
+        return out
+
+    def info(self) -> dict:
+        return {
+            "compile": "failed" if self.failed else ("on" if self.enabled else "off"),
+            "compiled_graphs": self.compiles,
+            "compile_seconds": dict(self.seconds),
+            **({"compile_error": self.failed} if self.failed else {}),
+        }

@@ -1,0 +1,293 @@
+"""A decode batch on ``decode_step.LlamaStep``: cache slots, rows of several samplers at once.
+
+Each row owns one slot of a preallocated K/V cache (``[slots, kv_heads, length, head_dim]`` per
+layer): it writes its token at its own position and attends to its keys up to it, so there is
+no left padding, and a request that arrives mid-decode fills free slots and joins at the next
+step. The slot count is a bucket (1, 2, 4, ... rows, one compiled graph each) that grows when
+rows join and shrinks when most have left; the length grows by ``LENGTH_STEP`` tokens.
+
+Rows may belong to different samplers (the base model, adapter snapshots of several training
+clients): each prompt is prefilled by the HF model with its adapter active (peft, once per
+distinct prompt and sampler: the samples of a request, and identical prompts of other
+requests, share one prefill) and its K/V copied into the rows' slots; decode applies every
+row's own LoRA in one batched op per projection (``LoraStack``). The row bookkeeping
+(sampling, stops, outputs, streaming) is ``sampling.DecodeBatch``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlcli.server.decode_step import ATTN, HEAD, MLP, Compiled, LlamaStep, bucket
+from rlcli.server.sampling import DecodeBatch, SampleJob, SampleOutput
+
+LENGTH_STEP = 128  # cache length granularity (tokens): the step attends to all of it, masked
+
+# A LoRA's weights for the step, read once from peft: {(layer, projection) or "lm_head":
+# (A [r, in], B [out, r] * scaling)}.
+LoraWeights = dict[Any, tuple[torch.Tensor, torch.Tensor]]
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+class LoraStack:
+    """The LoRA of the adapters present in a batch, stacked for ``decode_step._lora``: per
+    projection group (q/k/v fused, o, gate/up fused, down) A [adapters x parts x rank, in] and
+    a block-diagonal B [out, adapters x parts x rank] (Linear layouts, as peft's); per row a
+    0/1 mask over the columns of its own adapter. Ranks are padded to the largest; a
+    projection no adapter has is None."""
+
+    def __init__(self, step: LlamaStep, adapters: list[LoraWeights]) -> None:
+        self.count = len(adapters)
+        self.rank = max(a.shape[0] for weights in adapters for a, _ in weights.values())
+        sizes = {
+            "q_proj": step.q_size, "k_proj": step.kv_size, "v_proj": step.kv_size,
+            "o_proj": step.embed.shape[1], "gate_proj": step.intermediate,
+            "up_proj": step.intermediate, "down_proj": step.embed.shape[1],
+        }  # fmt: skip
+        self.layers = []
+        for i in range(len(step.layers)):
+            group_tensors = []
+            for group in GROUPS:
+                parts = [[w.get((i, name)) for name in group] for w in adapters]
+                outs = [sizes[name] for name in group]
+                group_tensors.append(self._stack(parts, outs))
+            self.layers.append(tuple(group_tensors))
+        self.head = self._stack([[w.get(HEAD)] for w in adapters], [step.head.shape[0]])
+
+    def _stack(self, parts: list[list], outs: list[int]):
+        if all(p is None for per_adapter in parts for p in per_adapter):
+            return None
+        first = next(p for per_adapter in parts for p in per_adapter if p is not None)
+        width = first[0].shape[1]
+        r, n = self.rank, len(outs)
+        a_all = first[0].new_zeros(self.count * n * r, width)
+        b_all = first[0].new_zeros(sum(outs), self.count * n * r)
+        for k, per_adapter in enumerate(parts):
+            offset = 0
+            for p, (pair, out) in enumerate(zip(per_adapter, outs, strict=True)):
+                if pair is not None:
+                    a, b = pair
+                    col = (k * n + p) * r
+                    a_all[col : col + a.shape[0]] = a
+                    b_all[offset : offset + out, col : col + a.shape[0]] = b
+                offset += out
+        return a_all, b_all
+
+    def tensors(self, slot_adapter: list[int], device) -> tuple:
+        """The step's ``lora`` argument for slots whose adapters are ``slot_adapter`` (index
+        into this stack's adapters, -1: none)."""
+        index = torch.tensor(slot_adapter, device=device)
+        masks = [None]
+        for parts in (1, 2, 3):
+            owner = torch.arange(self.count * parts * self.rank, device=device)
+            owner = owner // (parts * self.rank)
+            masks.append((owner.unsqueeze(0) == index.unsqueeze(-1)).float())
+        return tuple(masks), tuple(self.layers), self.head
+
+
+class SlotBatch(DecodeBatch):
+    """Rows decoding together on ``LlamaStep`` (see the module docstring).
+
+    ``activate(key) -> (module, adapter or None)`` makes the HF module prefill for sampler
+    ``key``; ``lora_weights(adapter)`` reads that adapter's LoRA; ``accepts(key)`` says
+    whether this kind of batch can decode sampler ``key`` (else it needs the HF path)."""
+
+    def __init__(
+        self,
+        step: Compiled,
+        *,
+        activate: Callable[[str | None], tuple[torch.nn.Module, str | None]],
+        lora_weights: Callable[[str], LoraWeights],
+        accepts: Callable[[str | None], bool],
+        max_length: int,
+        device: torch.device,
+        pad_id: int,
+        decode,
+    ) -> None:
+        super().__init__(None, device=device, pad_id=pad_id, decode=decode)
+        self.can_join = True
+        self.compiled, self.step_module = step, step.step
+        self._activate, self._lora_weights, self._accepts = activate, lora_weights, accepts
+        self.max_length = max_length
+        self.capacity = 0
+        self.length = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.slots: list[int] = []  # per row, its slot
+        self.adapters: list[str | None] = []  # per row, its peft adapter (None: base)
+        self.positions = torch.zeros(0, dtype=torch.long, device=device)  # per slot
+        self._loras: dict[str, LoraWeights] = {}  # adapter -> weights, read once
+        self._stack: LoraStack | None = None
+        self._stack_names: list[str] = []
+        self._lora_args = None
+        self.prefills = 0  # prefill rows run (distinct prompt x sampler)
+
+    def accepts(self, key: str | None) -> bool:
+        return self._accepts(key)
+
+    @torch.inference_mode()
+    def admit(self, jobs: list[SampleJob], tickets: list[Any]) -> list[tuple[Any, SampleOutput]]:
+        """Prefill each distinct (sampler, prompt) of ``jobs`` once, give their rows slots;
+        returns the requests already done (max_tokens=0)."""
+        groups: dict[str | None, list[int]] = {}
+        for j, job in enumerate(jobs):
+            groups.setdefault(job.sampler, []).append(j)
+        done, placed, loras = [], [], {}
+        # Every group is prefilled before any row is placed: a failing group (an expired
+        # sampler) leaves the batch as it was, so the batcher can retry each request alone.
+        for key, members in groups.items():
+            module, adapter = self._activate(key)
+            if adapter is not None and adapter not in self._loras:
+                loras[adapter] = self._lora_weights(adapter)
+            unique: dict[bytes, int] = {}
+            sources = [unique.setdefault(jobs[j].prompt.tobytes(), len(unique)) for j in members]
+            prompts = [None] * len(unique)
+            for j, u in zip(members, sources, strict=True):
+                prompts[u] = jobs[j].prompt
+            want_prompt = any(jobs[j].wants_prompt for j in members)
+            logits, layers, width = self._prefill(module, prompts, want_prompt)
+            group_done, rows, expand = self._prepare(
+                [jobs[j] for j in members], [tickets[j] for j in members],
+                lambda u, n, all_=logits, w=width: all_[u, w - n :], sources,
+            )  # fmt: skip
+            done.extend(group_done)
+            if rows:
+                last = logits[:, -1, :].float()
+                placed.append((rows, expand, prompts, layers, last, width, adapter))
+        self._loras.update(loras)
+        for group in placed:
+            self._place(*group)
+        self._row_params()
+        return done
+
+    def _prefill(self, module, prompts, want_prompt: bool):
+        """The HF forward over left-padded ``prompts``: (logits, per layer (K, V), width)."""
+        from transformers.cache_utils import DynamicCache
+
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros(len(prompts), width, dtype=torch.long)
+        for u, prompt in enumerate(prompts):
+            input_ids[u, width - len(prompt) :] = torch.from_numpy(prompt)
+            attention[u, width - len(prompt) :] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        dev = self.device
+        out = module(
+            input_ids=input_ids.to(dev),
+            attention_mask=attention.to(dev),
+            position_ids=positions.to(dev),
+            past_key_values=DynamicCache(),
+            logits_to_keep=0 if want_prompt else 1,
+        )
+        self.prefills += len(prompts)
+        layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        return out.logits, layers, width
+
+    def _place(self, rows, expand, prompts, layers, last_logits, width, adapter) -> None:
+        """Give ``rows`` free slots and copy their prompt's K/V into them."""
+        lengths = [len(prompts[u]) for u in expand]
+        need = max(n + 1 for n in lengths)
+        if self.rows:
+            need = max(need, int(self.positions[self.slots].max()) + 1)
+        self._resize(len(self.rows) + len(rows), need)
+        free = sorted(set(range(self.capacity)) - set(self.slots))
+        for u, n, slot in zip(expand, lengths, free, strict=False):
+            # Keys past a row's position are never attended to: what a freed slot left
+            # there is overwritten before it is read.
+            for (k, v), keys, values in zip(layers, self.keys, self.values, strict=True):
+                keys[slot, :, :n] = k[u, :, width - n :]
+                values[slot, :, :n] = v[u, :, width - n :]
+            self.positions[slot] = n
+            self.slots.append(slot)
+            self.adapters.append(adapter)
+        index = torch.tensor(expand, device=self.device)
+        new_logits = last_logits[index]
+        self._next_logits = (
+            new_logits if self._next_logits is None else torch.cat([self._next_logits, new_logits])
+        )
+        self.rows.extend(rows)
+        self._lora_args = None
+
+    def _resize(self, rows: int, length: int, shrink: bool = False) -> None:
+        """Slots for ``rows`` rows and room for positions below ``length`` (rounded up to
+        ``LENGTH_STEP``); only ``shrink`` makes either smaller. Rows keep their K/V and are
+        packed into the first slots when the cache is reallocated."""
+        if length > self.max_length:
+            raise ValueError(f"a row would pass the model's {self.max_length} positions")
+        capacity = bucket(rows)
+        length = min(-(-length // LENGTH_STEP) * LENGTH_STEP, self.max_length)
+        if not shrink:
+            capacity, length = max(capacity, self.capacity), max(length, self.length)
+        if capacity == self.capacity and length == self.length:
+            return
+        keys, values = self.step_module.new_cache(capacity, length)
+        count = len(self.slots)
+        positions = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        if count:
+            old = torch.tensor(self.slots, device=self.device)
+            keep = min(length, self.length)
+            for new, cur in ((keys, self.keys), (values, self.values)):
+                for n, c in zip(new, cur, strict=True):
+                    n[:count, :, :keep] = c[old, :, :keep]
+            positions[:count] = self.positions[old]
+        self.keys, self.values, self.positions = keys, values, positions
+        self.slots, self.capacity, self.length = list(range(count)), capacity, length
+        self._lora_args = None
+
+    def _forward(self, chosen: torch.Tensor) -> None:
+        slots = torch.tensor(self.slots, device=self.device)
+        top = int(self.positions[slots].max())
+        if top >= self.length:  # out of room: LENGTH_STEP more
+            self._resize(len(self.rows), top + 1)
+            slots = torch.tensor(self.slots, device=self.device)
+        tokens = torch.zeros(self.capacity, dtype=torch.long, device=self.device)
+        tokens[slots] = chosen
+        logits = self.compiled(tokens, self.positions, self.keys, self.values, self._lora())
+        self.positions[slots] += 1
+        self._next_logits = logits[slots]
+
+    def _lora(self):
+        """The step's LoRA argument for the current rows (None: all rows are the base's)."""
+        if self._lora_args is not None:
+            return self._lora_args[0]
+        names = sorted({a for a in self.adapters if a is not None})
+        if not names:
+            self._lora_args = (None,)
+            return None
+        if names != self._stack_names:
+            self._stack = LoraStack(self.step_module, [self._loras[n] for n in names])
+            self._stack_names = names
+        owner = [-1] * self.capacity
+        for slot, adapter in zip(self.slots, self.adapters, strict=True):
+            if adapter is not None:
+                owner[slot] = names.index(adapter)
+        self._lora_args = (self._stack.tensors(owner, self.device),)
+        return self._lora_args[0]
+
+    def _keep(self, keep: list[int]) -> None:
+        """Only rows ``keep`` stay; their slots are freed, and the slots shrink to a smaller
+        bucket when at most a quarter are in use."""
+        self.rows = [self.rows[r] for r in keep]
+        self.slots = [self.slots[r] for r in keep]
+        self.adapters = [self.adapters[r] for r in keep]
+        self._lora_args = None
+        if not keep:
+            self._next_logits = None
+            self.keys, self.values, self.capacity, self.length = [], [], 0, 0
+            self.positions = self.positions[:0]
+            return
+        self._next_logits = self._next_logits[torch.tensor(keep, device=self.device)]
+        if len(keep) <= self.capacity // 4:
+            top = int(self.positions[self.slots].max())
+            self._resize(len(keep), top + 1, shrink=True)
+        self._row_params()
+
+    def _row_params(self) -> None:
+        if self.rows:
+            super()._row_params()
+
+
+__all__ = ["SlotBatch", "LoraStack", "ATTN", "MLP"]

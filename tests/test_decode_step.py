@@ -1,0 +1,185 @@
+"""The engine's own decode step (decode_step.py, slot_batch.py) on the real tiny model: its
+logprobs are the training forward's for a trained adapter, rows of several adapters decode in
+one batch as they do alone, identical prompts are prefilled once, compiled and eager decoding
+give the same tokens without recompiling per request, and a model it does not know samples
+through transformers' forward."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from rlcli.server.batcher import Batcher
+from rlcli.server.engine import Engine
+from rlcli.server.sampling import SampleJob
+from rlcli.server.slot_batch import SlotBatch
+from rlcli.server.wire import DatumArrays
+
+BF16_LOGP_ATOL = 0.05  # as test_precision.py: bf16 kernels of different shapes round apart
+
+
+def _engine(model, dtype: str = "float32", **kw) -> Engine:
+    """An engine with two trained adapters (LoRA B far from zero) snapshotted as samplers
+    "one" and "two"."""
+    engine = Engine(str(model), device="cpu", dtype=dtype, **kw)
+    for seed, name in enumerate(("one", "two")):
+        engine.create_adapter(name, rank=4 + 4 * seed, seed=seed)
+        gen = torch.Generator().manual_seed(10 + seed)
+        with torch.no_grad():
+            for pname, p in engine.peft.named_parameters():
+                if "lora_B" in pname and f".{name}." in pname:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        engine.snapshot_sampler(name, name, None, {})
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return _engine(tiny_model)
+
+
+def _job(length: int, seed: int | None, sampler: str | None, **kw) -> SampleJob:
+    prompt = (np.arange(length, dtype=np.int64) * 7 + 11) % 900 + 5
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("num_samples", 2)
+    kw.setdefault("temperature", 0.0 if seed is None else 1.0)
+    return SampleJob(prompt=prompt, seed=seed, sampler=sampler, stop_at_eos=False, **kw)
+
+
+def _mixed_jobs() -> list[SampleJob]:
+    """Greedy and seeded rows of the base model and both adapters, prompts of four lengths."""
+    return [
+        _job(3, None, None), _job(9, 5, "one"), _job(17, None, "two"), _job(30, 7, None),
+        _job(6, 8, "two", top_p=0.9), _job(12, None, "one"),
+    ]  # fmt: skip
+
+
+def _tokens(outputs) -> list[list[list[int]]]:
+    return [[seq[0].tolist() for seq in out.sequences] for out in outputs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sampling_logprobs_are_the_training_forwards_for_a_trained_adapter(tiny_model, dtype):
+    """What the decode step applies as stacked LoRA is what peft applies in training: the
+    importance ratio of each sampled token is 1 up to the dtype's rounding."""
+    engine = _engine(tiny_model, dtype)
+    assert engine.decode_path == "rlcli llama step"
+    prompt = np.arange(5, 25)
+    for sampler, model_id in (("one", "one"), ("two", "two")):
+        job = SampleJob(prompt=prompt, max_tokens=16, temperature=1.0, seed=3, sampler=sampler)
+        (out,) = engine.sample([engine.add_stops(job)])
+        tokens, sampled, _ = out.sequences[0]
+        full = np.concatenate([prompt, tokens])
+        datum = DatumArrays(full[:-1], {"target_tokens": full[1:]})
+        (res,), _ = engine.forward_backward(model_id, [datum], "cross_entropy", forward_only=True)
+        trained = res["logprobs"][len(prompt) - 1 :]
+        atol = 1e-4 if dtype == "float32" else BF16_LOGP_ATOL
+        np.testing.assert_allclose(sampled, trained, atol=atol)
+    # ...and the adapters matter: the base model gives other logprobs for those tokens.
+    base = engine.sample([_job(20, None, None, max_tokens=16, num_samples=1)])[0]
+    lora = engine.sample([_job(20, None, "one", max_tokens=16, num_samples=1)])[0]
+    assert not np.allclose(base.sequences[0][1], lora.sequences[0][1], atol=1e-3)
+
+
+def test_rows_of_several_adapters_in_one_batch_match_each_request_alone(engine):
+    """Base and two adapters' rows, padded prompts, some joining mid-decode, in one batch (one
+    decode pass per step for all): each request gets the tokens it gets alone."""
+    jobs = _mixed_jobs()
+    alone = [engine.sample([copy.deepcopy(job)])[0] for job in jobs]
+    batcher = Batcher(engine)
+    replies = dict(batcher.add([(i, copy.deepcopy(jobs[i])) for i in (0, 1, 2)]))
+    assert isinstance(batcher.batch, SlotBatch)
+    for _ in range(4):
+        replies.update(batcher.step())
+    replies.update(batcher.add([(i, copy.deepcopy(jobs[i])) for i in (3, 4, 5)]))
+    while batcher.busy:
+        replies.update(batcher.step())
+    assert batcher.stats["batches"] == 1 and batcher.stats["joined"] == 3
+    assert batcher.stats["decode_steps"] == 4 + 12  # the late ones' 12 steps overlap
+    for i, ref in enumerate(alone):
+        for (tokens, logps, _), (ref_tokens, ref_logps, _) in zip(
+            replies[i].sequences, ref.sequences, strict=True
+        ):
+            np.testing.assert_array_equal(tokens, ref_tokens)
+            np.testing.assert_allclose(logps, ref_logps, atol=1e-5)
+
+
+def test_identical_prompts_of_one_sampler_are_prefilled_once(engine):
+    """A GRPO group's samples and the same prompt sent again by another request share one
+    prefill; another sampler's copy of the prompt gets its own."""
+    jobs = [_job(10, 1, "one"), _job(10, 2, "one"), _job(10, 3, "two"), _job(4, 4, "one")]
+    batch = engine.decode_batch("one")
+    done = batch.admit(jobs, [0, 1, 2, 3])
+    while len(batch):
+        done += batch.step()
+    assert batch.prefills == 3  # (a, 10 tokens), (b, 10 tokens), (a, 4 tokens)
+    outputs = dict(done)
+    for i, job in enumerate(jobs):
+        (ref,) = engine.sample([copy.deepcopy(job)])
+        assert _tokens([outputs[i]]) == _tokens([ref])
+
+
+def test_compiled_and_eager_decode_give_the_same_tokens_and_compile_once(tiny_model, engine):
+    """The compiled step (inductor here) samples what the eager step samples, greedy and
+    seeded, base-only and a padded multi-adapter batch; requests after the first reuse its
+    graphs (one per batch bucket and LoRA or not), and the engine reports the compile times."""
+    compiled = _engine(tiny_model, compile=True)
+    assert compiled.info()["compile"] == "on"
+    mixed = _mixed_jobs()
+    base = [_job(5, None, None, max_tokens=140), _job(8, 2, None, max_tokens=140)]
+    eager_out = [engine.sample(copy.deepcopy(jobs)) for jobs in (mixed, base)]
+    first = [compiled.sample(copy.deepcopy(jobs)) for jobs in (mixed, base)]
+    graphs = compiled.compiled_graphs()
+    assert 1 <= graphs <= 3  # 8 slots with LoRA; 4 without (a longer cache: same graph)
+    again = [compiled.sample(copy.deepcopy(jobs)) for jobs in (mixed, base)]
+    assert compiled.compiled_graphs() == graphs  # no recompiling per request
+    for outs in (first, again):
+        for mine, ref in zip(outs, eager_out, strict=True):
+            assert _tokens(mine) == _tokens(ref)
+    info = compiled.info()
+    assert info["compiled_graphs"] == graphs and info["compile_seconds"]
+    assert all(seconds > 0 for seconds in info["compile_seconds"].values())
+
+
+def test_a_model_the_step_does_not_know_samples_through_transformers(tiny_model, tmp_path):
+    """Another activation function than SwiGLU's: one log line, then transformers' forward
+    (one sampler per batch), with the same results as before the decode step existed."""
+    other = tmp_path / "gelu"
+    shutil.copytree(tiny_model, other)
+    config = json.loads((other / "config.json").read_text())
+    config["hidden_act"] = "gelu"
+    (other / "config.json").write_text(json.dumps(config))
+    engine = Engine(str(other), device="cpu", dtype="float32")
+    assert engine.decoder is None and engine.info()["decode_step"] == "transformers"
+    batch = engine.decode_batch(None)
+    assert not isinstance(batch, SlotBatch) and not batch.accepts("one")
+    jobs = [_job(3, None, None), _job(9, 4, None)]
+    outs = engine.sample(copy.deepcopy(jobs))
+    again = [engine.sample([copy.deepcopy(job)])[0] for job in jobs]
+    assert _tokens(outs) == _tokens(again)
+    assert len(outs[0].sequences[0][0]) == 12
+
+
+def test_a_request_for_a_gone_sampler_fails_alone_and_the_others_are_answered_once(engine):
+    """Requests of several samplers arrive together and one sampler has expired: it gets
+    its error, the others their samples, every request exactly one answer."""
+    from rlcli.server.errors import UserError
+
+    batcher = Batcher(engine)
+    items = [
+        ("base", _job(5, 1, None)), ("gone", _job(5, 2, "ephemeral:no-such-sampler")),
+        ("one", _job(7, 3, "one")),
+    ]  # fmt: skip
+    replies = batcher.add(items)
+    while batcher.busy:
+        replies += batcher.step()
+    assert sorted(rid for rid, _ in replies) == ["base", "gone", "one"]
+    answers = dict(replies)
+    assert isinstance(answers["gone"], UserError)
+    for rid in ("base", "one"):
+        assert [len(seq[0]) for seq in answers[rid].sequences] == [12, 12]
