@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from rlcli.server import decode_step
 from rlcli.server.batcher import Batcher
 from rlcli.server.engine import Engine
 from rlcli.server.sampling import SampleJob
@@ -183,3 +184,15 @@ def test_a_request_for_a_gone_sampler_fails_alone_and_the_others_are_answered_on
     assert isinstance(answers["gone"], UserError)
     for rid in ("base", "one"):
         assert [len(seq[0]) for seq in answers[rid].sequences] == [12, 12]
+
+
+def test_compile_is_on_by_default_on_a_gpu_only(monkeypatch):
+    """A CPU compile gained 5-10% a step for 20-40 s per bucket: off there unless asked."""
+    monkeypatch.delenv("RLCLI_COMPILE", raising=False)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not decode_step.compile_wanted(None, cpu) and decode_step.compile_wanted(None, cuda)
+    assert decode_step.compile_wanted(True, cpu) and not decode_step.compile_wanted(False, cuda)
+    monkeypatch.setenv("RLCLI_COMPILE", "1")
+    assert decode_step.compile_wanted(None, cpu)
+    monkeypatch.setenv("RLCLI_COMPILE", "0")
+    assert not decode_step.compile_wanted(None, cuda)

@@ -28,7 +28,7 @@ class TorchServerOptions:
     max_sample_tokens: int = 16384
     max_body_mb: float = 256.0
     max_upload_gb: float = 16.0
-    compile: bool | None = None  # compile the decode step; None: the server's default (on)
+    compile: bool | None = None  # compile the decode step; None: the server's default (GPU: on)
 
 
 def check_base_model(name: str, report=None) -> str:

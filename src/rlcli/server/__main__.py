@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="Compile the decode step with torch.compile (default: on, unless RLCLI_COMPILE=0); "
-        "--no-compile runs it eager.",
+        help="Compile the decode step with torch.compile (default: on a GPU only, or as "
+        "RLCLI_COMPILE=0|1 says); --no-compile runs it eager.",
     )
     args = parser.parse_args(argv)
 

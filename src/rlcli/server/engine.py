@@ -190,7 +190,8 @@ class Engine:
         why = decode_step.unsupported(self.model)
         if why is None:
             step = decode_step.LlamaStep(self.model, self.max_context)
-            self.decoder = decode_step.Compiled(step, decode_step.compile_wanted(compile))
+            wanted = decode_step.compile_wanted(compile, self.device)
+            self.decoder = decode_step.Compiled(step, wanted)
             self.decode_path = "rlcli llama step"
         else:
             log.info("decode step: transformers' forward for this model (%s)", why)
