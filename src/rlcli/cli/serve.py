@@ -7,6 +7,7 @@ import shlex
 import signal
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import typer
@@ -29,6 +30,7 @@ def _home() -> Path:
 
 @app.command("start")
 def start(
+    ctx: typer.Context,
     base_model: str = typer.Option(
         ..., "--base-model", "-m", help="Hub id (org/name) or a local model folder."
     ),
@@ -149,23 +151,14 @@ def start(
     if api_key and not api_key.startswith("tml-"):
         raise RlcliError("--api-key: tinker clients only send keys that start with 'tml-'")
     home = _home()
-    options = torch_backend.TorchServerOptions(
-        base_model=torch_backend.check_base_model(base_model),
-        host=host,
-        port=port,
-        device=device,
-        dtype=dtype,
-        grad_checkpointing=grad_checkpointing,
-        microbatch_tokens=microbatch_tokens,
-        max_lora_rank=max_lora_rank,
-        checkpoints_dir=str((checkpoints_dir or home / "checkpoints").expanduser().resolve()),
-        session_timeout=session_timeout,
-        max_sample_tokens=max_sample_tokens,
-        max_body_mb=max_body_mb,
-        max_upload_gb=max_upload_gb,
-        api_key=api_key,
-        compile=compile,
-    )
+    # Every flag named like a field of the server's options goes to it as given.
+    same = {f.name: ctx.params[f.name] for f in fields(torch_backend.TorchServerOptions)}
+    checkpoints = (checkpoints_dir or home / "checkpoints").expanduser().resolve()
+    resolved = {
+        "base_model": torch_backend.check_base_model(base_model),
+        "checkpoints_dir": str(checkpoints),
+    }
+    options = torch_backend.TorchServerOptions(**{**same, **resolved})
     launch = torch_backend.launch(options)
     if dry_run:
         emit({"backend": backend, "command": shlex.join(launch.command)}, as_json=as_json)
