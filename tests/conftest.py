@@ -59,6 +59,7 @@ GSM8K = Path(__file__).parent / "data" / "gsm8k"
 # setup (.ci/docker-up.sh), so the Harbor tests may not skip.
 ALLOWED_SKIPS = {
     "this machine has CUDA": "the refusal on a machine without CUDA can only be seen there",
+    "no CUDA device": "test_cuda.py runs on a lent GPU (benchmarks/device_check.sh)",
 }
 if not os.environ.get("RLCLI_CI"):
     ALLOWED_SKIPS["no Docker daemon reachable"] = "the Harbor tests need one (.ci/docker-up.sh)"
@@ -165,9 +166,8 @@ def start_server(home: Path, model: Path, **options):
     # Tests compare the server's logprobs with in-process float32 ones at tight tolerances;
     # `--dtype auto` would be bf16 on a CPU with bf16 (test_precision.py covers bf16).
     options.setdefault("dtype", "float32")
-    opts = torch_backend.TorchServerOptions(
-        base_model=str(model), port=free_port(), device="cpu", **options
-    )
+    options.setdefault("device", "cpu")
+    opts = torch_backend.TorchServerOptions(base_model=str(model), port=free_port(), **options)
     record, healthy = torch_backend.start(home, opts, wait=120)
     assert healthy, Path(record.log_path).read_text()[-3000:]
     return record
