@@ -587,10 +587,11 @@ class Engine:
         got = {k: v.shape for k, v in state.items()}
         if expected != got:
             missing = sorted(set(expected) - set(got))[:3]
+            extra = sorted(set(got) - set(expected))[:3]
             odd = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])[:3]
             raise UserError(
                 f"path: {path} does not match this training client's adapter "
-                f"(missing {missing}, shape differs {odd})"
+                f"(missing {missing}, unexpected {extra}, shape differs {odd})"
             )
         if any(not bool(torch.isfinite(v).all()) for v in state.values()):
             raise UserError(f"path: {path} holds non-finite weights; refusing to load them")
