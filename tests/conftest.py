@@ -20,6 +20,7 @@ import chz
 import numpy as np
 import pytest
 import tinker
+import torch
 from tinker_cookbook.rl.types import Env, EnvGroupBuilder, RLDataset, RLDatasetBuilder, StepResult
 
 # A suite started in the background by a shell without job control (`pytest ... &`) inherits
@@ -29,6 +30,12 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # tests talk to our server only
+# One compute thread per process: two pytest-xdist workers share CI's two cores, each with its
+# servers, CLIs and recipe children, and torch's default (a thread per core in every process)
+# oversubscribed them. Side by side, three files (resume, bf16_rl, train_sl) on two workers:
+# 182 s with the default, 118 s with one thread. Every process the tests start inherits it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # Compiling the decode step costs seconds to a minute per batch bucket on a CPU, more than a
 # test's few tokens save: servers and engines here run it eager; the compile tests (and
 # benchmarks) turn it on themselves.
