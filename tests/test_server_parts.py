@@ -136,3 +136,19 @@ def test_stop_strings_decode_a_bounded_tail():
 def test_row_seeds_accept_any_uint64():
     for seed in (0, 2**63 - 1, 2**64 - 1):
         torch.Generator().manual_seed(sampling.row_seed(seed, 7))
+
+
+def test_a_saved_adapter_holds_its_own_tensors_only(tiny_model, caplog):
+    """LoRA layers of an adapter peft no longer lists (seen once: a sampler's, in a training
+    state under xdist) stay out of another adapter's checkpoint, and are logged."""
+    from rlcli.server.engine import Engine
+
+    engine = Engine(str(tiny_model), device="cpu", dtype="float32")
+    engine.create_adapter("zebra", rank=4, seed=0)
+    engine.create_adapter("stray", rank=4, seed=1)
+    clean = engine._adapter_state("zebra")
+    del engine.peft.peft_config["stray"]  # its layers stay: what the failing run showed
+    with caplog.at_level("WARNING", logger="rlcli.engine"):
+        state = engine._adapter_state("zebra")
+    assert state.keys() == clean.keys() and not any("stray" in k for k in state)
+    assert "does not list: ['stray']" in caplog.text

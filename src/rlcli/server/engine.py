@@ -540,9 +540,21 @@ class Engine:
     def _adapter_state(self, name: str) -> dict[str, torch.Tensor]:
         from peft.utils import get_peft_model_state_dict
 
-        # Only the LoRA matrices: with tied embeddings peft would otherwise add the whole
-        # (frozen) embedding matrix to every checkpoint and sampler snapshot.
-        state = get_peft_model_state_dict(self.peft, adapter_name=name, save_embedding_layers=False)
+        # Only this adapter's LoRA matrices, picked by its name: peft's own filter drops only
+        # the adapters its peft_config lists, and LoRA layers of sampler adapters it no longer
+        # listed reached a checkpoint once (under the suite's xdist runs; cause not found),
+        # which then fit no training client. Not the (frozen) embedding matrix either, which
+        # peft adds with tied embeddings.
+        everything = self.peft.state_dict()
+        owners = {k.split(".lora_")[1].split(".")[1] for k in everything if ".lora_" in k}
+        strays = owners - set(self.peft.peft_config)
+        if strays:
+            log.warning("peft holds LoRA tensors of adapters it does not list: %s", sorted(strays))
+        tagged = f".{name}."
+        full = {k: v for k, v in everything.items() if "lora_" not in k or tagged in k}
+        state = get_peft_model_state_dict(
+            self.peft, state_dict=full, adapter_name=name, save_embedding_layers=False
+        )
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
     def save_state(
