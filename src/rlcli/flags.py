@@ -106,8 +106,9 @@ def _source(ctx, name: str) -> str:
 
 
 def typer_command(app, name: str, cls: type, run, help: str) -> None:
-    """Register ``name`` on the Typer ``app``: one flag per field of ``cls``; ``run(options)``
-    gets the instance built from the flags given and the ``--config`` file (``load``)."""
+    """Register ``name`` on the Typer ``app``: one flag per field of ``cls`` (a positional
+    argument where the field says ``argument=True``); ``run(options)`` gets the instance built
+    from the flags given and the ``--config`` file (``load``)."""
     import inspect
 
     import typer
