@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import fcntl
 import functools
 import logging
 import os
@@ -312,34 +311,14 @@ def recipe_children(run_dir: Path) -> list[int]:
 
 # ---- the previous SDK generation, for tests that drive one server with both ---------------
 
-OLD_SDK = ("tinker==0.25.0", "tinker-cookbook[math-rl]==0.5.7")
-
 
 @pytest.fixture(scope="session")
 def old_sdk_python() -> str:
-    """A Python with the 0.25 generation of the SDK and its cookbook, in a venv of its own
-    (``.venv-sdk025`` beside the checkout, or ``$RLCLI_OLD_SDK_VENV``): built once from PyPI,
-    reused after (CI included: the first test that needs it builds it)."""
-    venv = Path(
-        os.environ.get("RLCLI_OLD_SDK_VENV") or Path(__file__).parent.parent / ".venv-sdk025"
-    )
-    python = venv / "bin" / "python"
-    probe = [str(python), "-c", "import tinker, tinker_cookbook; print(tinker.__version__)"]
-    # One builder at a time: pytest-xdist workers may all ask for it at once.
-    with open(f"{venv}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (
-            python.exists()
-            and subprocess.run(probe, capture_output=True, text=True).stdout.strip() == "0.25.0"
-        ):
-            return str(python)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        # torch first, pinned: a bare `torch` would resolve to a multi-GB CUDA build on a CPU box.
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "torch==2.13.0", *OLD_SDK],
-            check=True, timeout=1800,
-        )  # fmt: skip
-    return str(python)
+    """A Python with the 0.25 generation of the SDK and its cookbook (``old_sdk_venv.py``:
+    built once, reused after; ``.ci/run`` builds it while the main venv installs)."""
+    import old_sdk_venv
+
+    return old_sdk_venv.ensure()
 
 
 # ---- a reward a tiny policy can raise quickly ------------------------------------------------
