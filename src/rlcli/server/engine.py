@@ -155,7 +155,8 @@ class Engine:
         max_lora_rank: int = 64,
         compile: bool | None = None,
     ) -> None:
-        """``compile``: compile the decode step (None: unless ``RLCLI_COMPILE=0``)."""
+        """``compile``: compile the decode step (None: ``decode_step.compile_wanted``'s
+        default, on a GPU only)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.base_model = base_model
@@ -731,32 +732,35 @@ class Engine:
             if isinstance(m, LoraLayer)
             and (name in m.lora_A or name in getattr(m, "lora_embedding_A", {}))
         ]  # fmt: skip
-        return len(layers) == len(self._lora_weights(name))
+        return len(layers) == len(self._lora_layers(name))
+
+    def _lora_layers(self, name: str) -> dict:
+        """Peft adapter ``name``'s LoRA layers the decode step knows: {(layer, projection) or
+        "lm_head": the LoraLayer}."""
+        from peft.tuners.lora import LoraLayer
+
+        modules = {
+            (i, proj): getattr(layer.self_attn if proj in decode_step.ATTN else layer.mlp, proj)
+            for i, layer in enumerate(self.model.model.layers)
+            for proj in decode_step.PROJECTIONS
+        }
+        modules[decode_step.HEAD] = self.model.get_output_embeddings()
+        return {
+            where: m for where, m in modules.items()
+            if isinstance(m, LoraLayer) and name in m.lora_A
+        }  # fmt: skip
 
     def _lora_weights(self, name: str) -> dict:
         """Peft adapter ``name``'s LoRA as the decode step takes it: {(layer, projection) or
         "lm_head": (A [r, in], B [out, r] x scaling)}, float32 copies (the adapter may be
         unloaded while rows still decode with it)."""
-        from peft.tuners.lora import LoraLayer
-
-        def pair(module):
-            if not isinstance(module, LoraLayer) or name not in module.lora_A:
-                return None
-            a = module.lora_A[name].weight.detach().float().clone()
-            b = module.lora_B[name].weight.detach().float() * module.scaling[name]
-            return a, b
-
-        found = {}
-        for i, layer in enumerate(self.model.model.layers):
-            for proj in decode_step.PROJECTIONS:
-                parent = layer.self_attn if proj in decode_step.ATTN else layer.mlp
-                weights = pair(getattr(parent, proj))
-                if weights is not None:
-                    found[(i, proj)] = weights
-        head = pair(self.model.get_output_embeddings())
-        if head is not None:
-            found[decode_step.HEAD] = head
-        return found
+        return {
+            where: (
+                m.lora_A[name].weight.detach().float().clone(),
+                m.lora_B[name].weight.detach().float() * m.scaling[name],
+            )
+            for where, m in self._lora_layers(name).items()
+        }
 
     def _generate(self, key: str | None, jobs: list[SampleJob]) -> list[SampleOutput | Exception]:
         try:
