@@ -196,3 +196,35 @@ def test_compile_is_on_by_default_on_a_gpu_only(monkeypatch):
     assert decode_step.compile_wanted(None, cpu)
     monkeypatch.setenv("RLCLI_COMPILE", "0")
     assert not decode_step.compile_wanted(None, cuda)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_weights_give_what_plain_matmuls_give(tiny_model, engine, dtype):
+    """On a CPU the step multiplies by oneDNN's packed copies of the weights (the plain
+    layout streamed them a third slower): the same tokens, and logprobs within float32's
+    rounding of the plain matmuls' (bf16: identical)."""
+    engine = engine if dtype == "float32" else _engine(tiny_model, dtype)
+    step = engine.decoder.step
+    assert step.packed
+    jobs = _mixed_jobs() + [_job(7, 9, "one", num_samples=1)]  # one row: float32's gemv path
+    packed = engine.sample(copy.deepcopy(jobs))
+    step.packed = False
+    try:
+        plain = engine.sample(copy.deepcopy(jobs))
+    finally:
+        step.packed = True
+    assert _tokens(packed) == _tokens(plain)
+    for mine, ref in zip(packed, plain, strict=True):
+        for (_, logps, _), (_, ref_logps, _) in zip(mine.sequences, ref.sequences, strict=True):
+            np.testing.assert_allclose(logps, ref_logps, atol=1e-4 if dtype == "float32" else 0)
+
+
+def test_weights_are_not_packed_where_their_copies_would_not_fit(tiny_model, monkeypatch):
+    """The packed copies double the weights' memory: without room for them (under half of
+    what the kernel says is available), plain matmuls."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(decode_step, "_spare_memory", lambda: 0)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
+    assert not decode_step.LlamaStep(model, 64).packed
+    assert decode_step.LlamaStep(model, 64, packed=True).packed  # asked for: packed

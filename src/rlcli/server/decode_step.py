@@ -12,8 +12,13 @@ arithmetic on tensors laid out for it:
   tensor per layer, writes its token's K/V at its own position, and attends to keys at indices
   ``<= position`` (no left padding; a row joining mid-decode just fills a free slot);
 - LoRA for the rows of several adapters at once (``LoraStack``): per projection one matmul
-  into the stacked A of every adapter present, a per-row mask keeping each row's own block,
-  and one matmul out of the stacked B; a base-only batch runs no LoRA op at all.
+  into the stacked A of every adapter present, a per-row mask keeping each row's own block
+  (none when one adapter has every row), and one matmul out of the stacked B that adds to the
+  base output; a base-only batch runs no LoRA op at all;
+- on a CPU, the matmuls read oneDNN's packed copies of the weights (``pack``: about 1.4x the
+  plain layout's speed at decode batch sizes, for a second copy of the weights in memory);
+- attention of one query token as two batched matmuls over (slot, kv head), over the cache
+  positions up to the furthest row's only (SDPA's kernel cost ~3x that here).
 
 The arithmetic copies the HF modules exactly, dtype for dtype (``precision.py``'s bf16 matmuls
 with float32 results, RMSNorm's casts, RoPE tables in the embedding's dtype), so sampled
@@ -103,16 +108,18 @@ def unsupported(model) -> str | None:
 
 
 class LayerWeights(torch.nn.Module):
-    """One layer's tensors, as buffers (never copied: views of the model's own weights), so a
-    compiler sees them as the module's state and not as inputs to copy in each call."""
+    """One layer's tensors, as buffers (never copied: views of the model's own weights, but
+    for oneDNN's packed copies and float32 norm weights of a bf16 model), so a compiler sees
+    them as the module's state and not as inputs to copy in each call."""
 
     NAMES = ("qkv", "qkv_bias", "o", "o_bias", "gate_up", "down", "norm_in", "norm_post",
-             "q_norm", "k_norm")  # fmt: skip
+             "q_norm", "k_norm", "norm_in32", "norm_post32", "q_norm32", "k_norm32",
+             "qkv_packed", "o_packed", "gate_up_packed", "down_packed")  # fmt: skip
 
-    def __init__(self, *tensors) -> None:
+    def __init__(self, **tensors) -> None:
         super().__init__()
-        for name, tensor in zip(self.NAMES, tensors, strict=True):
-            self.register_buffer(name, tensor, persistent=False)
+        for name in self.NAMES:
+            self.register_buffer(name, tensors.get(name), persistent=False)
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -134,46 +141,96 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias, packed=None, upcast: bool = True):
     """As the model's own Linear computes: a float32 layer as is, a bf16 one as
-    ``precision.Bf16Linear`` (bf16 matmul, float32 result)."""
-    if weight.dtype == torch.float32:
-        return F.linear(x, weight, bias)
-    return F.linear(x.to(weight.dtype), weight, bias).float()
+    ``precision.Bf16Linear`` (bf16 matmul, float32 result; ``upcast=False`` leaves the result
+    bf16 where the next op's type promotion does the same upcast for free); on oneDNN's
+    ``packed`` copy of the weight where there is one (``pack``)."""
+    low = weight.dtype != torch.float32
+    if low:
+        x = x.to(weight.dtype)
+    if packed is None:
+        y = F.linear(x, weight, bias)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return y.float() if low and upcast else y
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama/Qwen RMSNorm, casts included."""
+def pack(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Copies of ``weights`` in oneDNN's blocked layout, or None where this build or CPU
+    cannot make them or they would not give F.linear's results.
+
+    Why: a decode step multiplies a few rows by every weight, so it is a stream of the
+    weights through the cores; F.linear's plain layout streamed SmolLM2's projections at
+    ~11 GB/s here and the blocked one at ~16 GB/s (benchmarks/sampling_smollm2.py), its
+    float32 head at 2.3x. The price is a second copy of those weights in memory."""
+    try:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
+        gen = torch.Generator().manual_seed(0)
+        for w, p in zip(weights, packed, strict=True):
+            probe = torch.randn(3, w.shape[1], generator=gen).to(w.dtype)
+            got = torch.ops.mkldnn._linear_pointwise(probe, p, None, "none", [], "")
+            if not torch.allclose(got.float(), F.linear(probe, w).float(), atol=1e-3, rtol=1e-2):
+                return None
+    except (RuntimeError, AttributeError):  # no oneDNN, or no kernel for this dtype
+        return None
+    return packed
+
+
+def _spare_memory() -> int:
+    """Bytes the kernel says could still be allocated (MemAvailable), 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, weight32, eps: float) -> torch.Tensor:
+    """transformers' Llama/Qwen RMSNorm, casts included; torch's fused kernel on a float32
+    input (the same arithmetic: ``weight32`` is the weight in float32, as the HF module's
+    ``weight * x`` promotes it)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight32, eps)
     dtype = x.dtype
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """RoPE as HF's ``x * cos + rotate_half(x) * sin``, exactly: ``rotate_half(x) * sin`` is
+    ``cat(-x2 * s1, x1 * s2)``, which is ``roll(x, half) * cat(-s1, s2)``."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
-def _lora(x: torch.Tensor, stacked, mask: torch.Tensor) -> torch.Tensor:
-    """The rows' LoRA deltas for one projection: ``x`` [B, in] into every present adapter's A
-    (stacked [adapters x rank, in]), each row's own block kept by ``mask``, out through the
-    stacked B [out, adapters x rank] (its scaling in it). Float32 ``F.linear``s, as peft's
-    (a plain ``x @ a`` of these skinny shapes was ~2x slower eager)."""
+def _lora(y: torch.Tensor, x: torch.Tensor, stacked, mask) -> torch.Tensor:
+    """``y`` (a projection's base output) plus the rows' LoRA deltas: ``x`` [B, in] into every
+    present adapter's A (stacked [adapters x rank, in]), each row's own block kept by
+    ``mask`` (None: every row has the one adapter), out through the stacked B [out,
+    adapters x rank] (its scaling in it), added by the same matmul. Float32, as peft's."""
     a, b = stacked
-    return F.linear(F.linear(x.float(), a) * mask, b)
+    t = F.linear(x.float(), a)
+    if mask is not None:
+        t = t * mask
+    return torch.addmm(y.float(), t, b.t())
 
 
 class LlamaStep(torch.nn.Module):
     """The decode step of one Llama-family model (see the module docstring).
 
-    ``forward(tokens [B], positions [B], keys, values, lora)`` runs one token per slot:
-    writes each slot's K/V at its position, returns float32 logits [B, vocab]. ``keys`` and
-    ``values`` are per layer ``[B, kv_heads, S, head_dim]``; ``lora`` is None (base only) or
-    a ``LoraStack.tensors()`` tuple."""
+    ``forward(tokens [B], positions [B], keys, values, lora, attend)`` runs one token per
+    slot: writes each slot's K/V at its position, returns float32 logits [B, vocab]. ``keys``
+    and ``values`` are per layer ``[B, kv_heads, S, head_dim]``; ``lora`` is None (base only)
+    or a ``LoraStack.tensors()`` tuple; ``attend`` (None: all S) how many cache positions to
+    attend to, more than any slot's position."""
 
-    def __init__(self, model, max_positions: int) -> None:
+    def __init__(self, model, max_positions: int, packed: bool | None = None) -> None:
+        """``packed``: multiply by oneDNN's packed copies of the weights (``pack``; None: on a
+        CPU where the copies take under half the memory the kernel says is available)."""
         super().__init__()
         config = model.config
         inner = model.model
@@ -182,34 +239,53 @@ class LlamaStep(torch.nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scaling = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
-        self.layers = torch.nn.ModuleList()
+        head = model.get_output_embeddings()
+        head_weight = getattr(head, "weight32", head.weight)  # precision.Float32Head's copy
+        layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
             gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
-            q_norm = getattr(attn, "q_norm", None)
-            k_norm = getattr(attn, "k_norm", None)
-            self.layers.append(
-                LayerWeights(
-                    qkv, qkv_bias, attn.o_proj.weight, attn.o_proj.bias, gate_up,
-                    mlp.down_proj.weight, layer.input_layernorm.weight,
-                    layer.post_attention_layernorm.weight,
-                    None if q_norm is None else q_norm.weight,
-                    None if k_norm is None else k_norm.weight,
-                )
+            norms = {
+                "norm_in": layer.input_layernorm.weight,
+                "norm_post": layer.post_attention_layernorm.weight,
+                "q_norm": getattr(getattr(attn, "q_norm", None), "weight", None),
+                "k_norm": getattr(getattr(attn, "k_norm", None), "weight", None),
+            }
+            norms |= {f"{k}32": None if v is None else v.float() for k, v in norms.items()}
+            layers.append(
+                dict(qkv=qkv, qkv_bias=qkv_bias, o=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+                     gate_up=gate_up, down=mlp.down_proj.weight, **norms)
             )  # fmt: skip
+        matrices = [w[n] for w in layers for n in ("qkv", "o", "gate_up", "down")]
+        matrices.append(head_weight)
+        self.packed = False
+        if packed is None:
+            extra = sum(m.numel() * m.element_size() for m in matrices)
+            packed = head_weight.device.type == "cpu" and 2 * extra < _spare_memory()
+        copies = pack(matrices) if packed else None
+        if copies is not None:
+            self.packed = True
+            for i, w in enumerate(layers):
+                for j, name in enumerate(("qkv", "o", "gate_up", "down")):
+                    w[f"{name}_packed"] = copies[4 * i + j]
+        elif packed:
+            log.info("decode step: oneDNN cannot pack these weights; plain matmuls")
+        self.layers = torch.nn.ModuleList(LayerWeights(**w) for w in layers)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.intermediate = self.layers[0].gate_up.shape[0] // 2
-        head = model.get_output_embeddings()
         cos, sin = self._rope_tables(inner, max_positions)
+        half = self.head_dim // 2
         buffers = {
             "embed": inner.embed_tokens.weight,
             "final_norm": inner.norm.weight,
-            "head": getattr(head, "weight32", head.weight),  # precision.Float32Head's copy
+            "final_norm32": inner.norm.weight.float(),
+            "head": head_weight,
+            "head_packed": copies[-1] if copies is not None else None,
             "head_bias": None if head.bias is None else head.bias.float(),
             "cos": cos,
-            "sin": sin,
+            "sin_signed": torch.cat([-sin[:, :half], sin[:, half:]], -1),  # for _rotate
         }
         for name, tensor in buffers.items():
             self.register_buffer(name, tensor, persistent=False)
@@ -233,58 +309,71 @@ class LlamaStep(torch.nn.Module):
         make = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in self.layers]
         return make, [torch.zeros_like(k) for k in make]
 
-    def forward(self, tokens, positions, keys, values, lora=None):
-        rows = tokens.shape[0]
+    def forward(self, tokens, positions, keys, values, lora=None, attend=None):
+        rows, kv, heads, dim = tokens.shape[0], self.num_kv_heads, self.num_heads, self.head_dim
         length = keys[0].shape[2]
+        attend = length if attend is None else attend
+        group = heads // kv
+        # float32 matmuls of one row: F.linear's gemv beat the packed layout (16 vs 24 ms a
+        # step on SmolLM2); bf16 ones and any batch: the packed layout.
+        packed = self.packed and (rows > 1 or self.dtype != torch.float32)
+        packed = packed and not torch.compiler.is_compiling()  # inductor packs its own
         h = F.embedding(tokens, self.embed)  # [B, hidden]
         cos = self.cos[positions].unsqueeze(1)  # [B, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        # [B, 1, 1, S], additive (built once, not converted by every layer's attention): each
-        # slot sees its keys up to its own position.
-        hidden = torch.arange(length, device=tokens.device) > positions.unsqueeze(-1)
+        sin = self.sin_signed[positions].unsqueeze(1)
+        # Attention as batched matmuls over (slot, kv head) pairs, each with its group of
+        # query heads (what SDPA's kernel does for one query token, at a third of its cost
+        # here); additive mask [B * kv, 1, attend], built once: each slot sees its keys up
+        # to its own position.
+        hidden = torch.arange(attend, device=tokens.device) > positions.unsqueeze(-1)
         mask = torch.zeros(hidden.shape, device=tokens.device).masked_fill(hidden, float("-inf"))
-        mask = mask[:, None, None, :]
-        slot = torch.arange(rows, device=tokens.device).unsqueeze(-1)
-        heads = torch.arange(self.num_kv_heads, device=tokens.device).unsqueeze(0)
-        where = (slot, heads, positions.unsqueeze(-1))
+        mask = mask.repeat_interleave(kv, 0).unsqueeze(1)
+        # Where each (slot, kv head)'s new K/V goes in a layer's cache, flattened to rows.
+        slot_heads = torch.arange(rows * kv, device=tokens.device)
+        where = slot_heads * length + positions.repeat_interleave(kv)
         masks, per_layer, head_lora = lora if lora is not None else (None, None, None)
+        masks = masks or (None, None, None, None)  # None: one adapter, every row its own
         for i, w in enumerate(self.layers):
-            x = _rms_norm(h, w.norm_in, self.eps)
-            qkv = _linear(x, w.qkv, w.qkv_bias)
+            x = _rms_norm(h, w.norm_in, w.norm_in32, self.eps)
+            qkv = _linear(x, w.qkv, w.qkv_bias, w.qkv_packed if packed else None)
             if per_layer is not None and per_layer[i][0] is not None:
-                qkv = qkv + _lora(x, per_layer[i][0], masks[3])
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(rows, self.num_heads, self.head_dim)
-            k = k.view(rows, self.num_kv_heads, self.head_dim)
-            v = v.view(rows, self.num_kv_heads, self.head_dim)
-            if w.q_norm is not None:
-                q = _rms_norm(q, w.q_norm, self.eps)
-                k = _rms_norm(k, w.k_norm, self.eps)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            keys[i].index_put_(where, k)
-            values[i].index_put_(where, v)
-            a = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys[i], values[i], attn_mask=mask, scale=self.scaling,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            ).reshape(rows, self.q_size)  # fmt: skip
-            o = _linear(a, w.o, w.o_bias)
+                qkv = _lora(qkv, x, per_layer[i][0], masks[3])
+            qk = qkv[:, : self.q_size + self.kv_size].view(rows, heads + kv, dim)
+            if w.q_norm is None:
+                qk = _rotate(qk, cos, sin)
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q = _rotate(_rms_norm(qk[:, :heads], w.q_norm, w.q_norm32, self.eps), cos, sin)
+                k = _rotate(_rms_norm(qk[:, heads:], w.k_norm, w.k_norm32, self.eps), cos, sin)
+            v = qkv[:, self.q_size + self.kv_size :]
+            keys[i].view(-1, dim).index_copy_(0, where, k.reshape(-1, dim))
+            values[i].view(-1, dim).index_copy_(0, where, v.reshape(-1, dim))
+            scores = torch.baddbmm(
+                mask, q.reshape(rows * kv, group, dim),
+                keys[i][:, :, :attend].view(rows * kv, attend, dim).transpose(1, 2),
+                alpha=self.scaling,
+            )  # fmt: skip
+            a = torch.bmm(scores.softmax(-1), values[i][:, :, :attend].view(rows * kv, attend, dim))
+            a = a.view(rows, self.q_size)
+            # bf16 + bf16 would stay bf16: the first layer's residual (the embedding) is bf16
+            o = _linear(a, w.o, w.o_bias, w.o_packed if packed else None, upcast=h.dtype != a.dtype)
             if per_layer is not None and per_layer[i][1] is not None:
-                o = o + _lora(a, per_layer[i][1], masks[1])
-            h = h + o
-            x = _rms_norm(h, w.norm_post, self.eps)
-            gu = _linear(x, w.gate_up, None)
+                o = _lora(o, a, per_layer[i][1], masks[1])
+            h = h + o  # float32 (+ bf16: promoted exactly)
+            x = _rms_norm(h, w.norm_post, w.norm_post32, self.eps)
+            gu = _linear(x, w.gate_up, None, w.gate_up_packed if packed else None)
             if per_layer is not None and per_layer[i][2] is not None:
-                gu = gu + _lora(x, per_layer[i][2], masks[2])
+                gu = _lora(gu, x, per_layer[i][2], masks[2])
             gate, up = gu.split([self.intermediate, self.intermediate], dim=-1)
             m = F.silu(gate) * up
-            d = _linear(m, w.down, None)
+            d = _linear(m, w.down, None, w.down_packed if packed else None, upcast=False)
             if per_layer is not None and per_layer[i][3] is not None:
-                d = d + _lora(m, per_layer[i][3], masks[1])
+                d = _lora(d, m, per_layer[i][3], masks[1])
             h = h + d
-        x = _rms_norm(h, self.final_norm, self.eps)
-        logits = F.linear(x.float(), self.head, self.head_bias)
+        x = _rms_norm(h, self.final_norm, self.final_norm32, self.eps)
+        logits = _linear(x.float(), self.head, self.head_bias, self.head_packed if packed else None)
         if head_lora is not None:
-            logits = logits + _lora(x, head_lora, masks[1])
+            logits = _lora(logits, x, head_lora, masks[1])
         return logits
 
 
@@ -318,15 +407,17 @@ class Compiled:
         patches = {"triton.cudagraphs": True} if self.step.device.type == "cuda" else {}
         return compile_fx(gm, example_inputs, config_patches=patches)
 
-    def __call__(self, tokens, positions, keys, values, lora=None):
+    def __call__(self, tokens, positions, keys, values, lora=None, attend=None):
+        """``attend``: as ``LlamaStep.forward``'s, eager only (a graph attends to the whole
+        cache: one graph for every length)."""
         if self._fn is None:
-            return self.step(tokens, positions, keys, values, lora)
+            return self.step(tokens, positions, keys, values, lora, attend)
         # One graph for every cache length and LoRA width (they change as rows come and go);
         # the batch size stays static: a graph per bucket.
         for t in (*keys, *values):
             torch._dynamo.maybe_mark_dynamic(t, 2)
         if lora is not None:
-            for t in lora[0][1:]:
+            for t in (lora[0] or (None,))[1:]:
                 torch._dynamo.maybe_mark_dynamic(t, 1)
             for pair in (*lora[1], (lora[2],)):
                 for a_b in pair:

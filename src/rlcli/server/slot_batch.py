@@ -76,10 +76,13 @@ class LoraStack:
                 offset += out
         return a_all, b_all
 
-    def tensors(self, slot_adapter: list[int], device) -> tuple:
+    def tensors(self, slot_adapter: list[int | None], device) -> tuple:
         """The step's ``lora`` argument for slots whose adapters are ``slot_adapter`` (index
-        into this stack's adapters, -1: none)."""
-        index = torch.tensor(slot_adapter, device=device)
+        into this stack's adapters, -1: the base model, None: a free slot). With one adapter
+        and no base row there are no masks: a free slot's output is never read."""
+        if self.count == 1 and all(owner in (0, None) for owner in slot_adapter):
+            return None, tuple(self.layers), self.head
+        index = torch.tensor([-1 if o is None else o for o in slot_adapter], device=device)
         masks = [None]
         for parts in (1, 2, 3):
             owner = torch.arange(self.count * parts * self.rank, device=device)
@@ -245,7 +248,9 @@ class SlotBatch(DecodeBatch):
             slots = torch.tensor(self.slots, device=self.device)
         tokens = torch.zeros(self.capacity, dtype=torch.long, device=self.device)
         tokens[slots] = chosen
-        logits = self.compiled(tokens, self.positions, self.keys, self.values, self._lora())
+        logits = self.compiled(
+            tokens, self.positions, self.keys, self.values, self._lora(), attend=top + 1
+        )
         self.positions[slots] += 1
         self._next_logits = logits[slots]
 
@@ -260,10 +265,9 @@ class SlotBatch(DecodeBatch):
         if names != self._stack_names:
             self._stack = LoraStack(self.step_module, [self._loras[n] for n in names])
             self._stack_names = names
-        owner = [-1] * self.capacity
+        owner: list[int | None] = [None] * self.capacity
         for slot, adapter in zip(self.slots, self.adapters, strict=True):
-            if adapter is not None:
-                owner[slot] = names.index(adapter)
+            owner[slot] = -1 if adapter is None else names.index(adapter)
         self._lora_args = (self._stack.tensors(owner, self.device),)
         return self._lora_args[0]
 
