@@ -210,13 +210,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
 def _lora(y: torch.Tensor, x: torch.Tensor, stacked, mask) -> torch.Tensor:
     """``y`` (a projection's base output) plus the rows' LoRA deltas: ``x`` [B, in] into every
     present adapter's A (stacked [adapters x rank, in]), each row's own block kept by
-    ``mask`` (None: every row has the one adapter), out through the stacked B [out,
-    adapters x rank] (its scaling in it), added by the same matmul. Float32, as peft's."""
-    a, b = stacked
+    ``mask`` (None: every row has the one adapter), out through the stacked B (transposed:
+    [adapters x rank, out], its scaling in it), added by the same matmul. Float32, as peft's."""
+    a, b_t = stacked
     t = F.linear(x.float(), a)
     if mask is not None:
         t = t * mask
-    return torch.addmm(y.float(), t, b.t())
+    return torch.addmm(y.float(), t, b_t)
 
 
 class LlamaStep(torch.nn.Module):
@@ -423,7 +423,7 @@ class Compiled:
                 for a_b in pair:
                     if a_b is not None:
                         torch._dynamo.maybe_mark_dynamic(a_b[0], 0)
-                        torch._dynamo.maybe_mark_dynamic(a_b[1], 1)
+                        torch._dynamo.maybe_mark_dynamic(a_b[1], 0)
         started, before = time.perf_counter(), self.compiles
         try:
             out = self._fn(tokens, positions, keys, values, lora)

@@ -35,7 +35,8 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
 class LoraStack:
     """The LoRA of the adapters present in a batch, stacked for ``decode_step._lora``: per
     projection group (q/k/v fused, o, gate/up fused, down) A [adapters x parts x rank, in] and
-    a block-diagonal B [out, adapters x parts x rank] (Linear layouts, as peft's); per row a
+    a block-diagonal B, transposed: [adapters x parts x rank, out] (so the matmul out of it
+    reads it in order: ~1.5x faster than through a transposed view here); per row a
     0/1 mask over the columns of its own adapter. Ranks are padded to the largest; a
     projection no adapter has is None."""
 
@@ -64,7 +65,7 @@ class LoraStack:
         width = first[0].shape[1]
         r, n = self.rank, len(outs)
         a_all = first[0].new_zeros(self.count * n * r, width)
-        b_all = first[0].new_zeros(sum(outs), self.count * n * r)
+        b_all = first[0].new_zeros(self.count * n * r, sum(outs))
         for k, per_adapter in enumerate(parts):
             offset = 0
             for p, (pair, out) in enumerate(zip(per_adapter, outs, strict=True)):
@@ -72,7 +73,7 @@ class LoraStack:
                     a, b = pair
                     col = (k * n + p) * r
                     a_all[col : col + a.shape[0]] = a
-                    b_all[offset : offset + out, col : col + a.shape[0]] = b
+                    b_all[col : col + a.shape[0], offset : offset + out] = b.t()
                 offset += out
         return a_all, b_all
 
