@@ -105,15 +105,21 @@ def weight_bytes(model) -> int:
 
 
 def kv_bytes_per_token(model) -> int:
+    """K/V bytes a decode step reads per cached token: float32, as the server caches them
+    at either precision (what the projections return)."""
     cfg = model.config
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * heads * head_dim * 4
 
 
 def projections_ms(model, batch: int, device, reps: int = 5) -> dict:
-    """Every Linear of ``model`` at (batch, in_features), one after another: median ms."""
+    """Every Linear of ``model`` at (batch, in_features), one after another: median ms, with
+    ``F.linear`` (``ms``) and as the server's decode step multiplies on a CPU, by oneDNN's
+    packed copies of the weights (``packed_ms``; None where it cannot pack)."""
     import torch
+
+    from rlcli.server import decode_step
 
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     dtype = next(model.parameters()).dtype
@@ -121,16 +127,36 @@ def projections_ms(model, batch: int, device, reps: int = 5) -> dict:
         n: torch.randn(batch, n, dtype=dtype, device=device)
         for n in {m.in_features for m in linears}
     }
-    times = []
-    with torch.inference_mode():
-        for _ in range(reps + 2):  # two warm-ups
-            sync(device)
-            t0 = time.perf_counter()
-            for m in linears:
-                m(inputs[m.in_features])
-            sync(device)
-            times.append(1000 * (time.perf_counter() - t0))
-    return {"linears": len(linears), "ms": _receipt.summary(times[2:])["median"], "raw_ms": times}
+    packed = decode_step.pack([m.weight for m in linears]) if device.type == "cpu" else None
+
+    def timed(run) -> list[float]:
+        times = []
+        with torch.inference_mode():
+            for _ in range(reps + 2):  # two warm-ups
+                sync(device)
+                t0 = time.perf_counter()
+                run()
+                sync(device)
+                times.append(1000 * (time.perf_counter() - t0))
+        return times[2:]
+
+    def plain() -> None:
+        for m in linears:
+            m(inputs[m.in_features])
+
+    def with_packed() -> None:
+        for m, p in zip(linears, packed, strict=True):
+            torch.ops.mkldnn._linear_pointwise(inputs[m.in_features], p, None, "none", [], "")
+
+    times = timed(plain)
+    packed_times = timed(with_packed) if packed is not None else None
+    return {
+        "linears": len(linears),
+        "ms": _receipt.summary(times)["median"],
+        "raw_ms": times,
+        "packed_ms": _receipt.summary(packed_times)["median"] if packed_times else None,
+        "raw_packed_ms": packed_times,
+    }
 
 
 def server_status(base_url: str) -> dict | None:
@@ -230,8 +256,12 @@ def throughput(model_dir: str, args, dtype_name: str, bandwidth: list[dict]) -> 
                     "generate": 1000 * batch / med["generate"],
                     "generate_static": 1000 * batch / med["generate_static"],
                     "projections_only": proj["ms"],
+                    "projections_only_packed": proj["packed_ms"],
                 },
                 "server_step_over_projections": server_step_ms / proj["ms"],
+                "server_step_over_packed_projections": (
+                    server_step_ms / proj["packed_ms"] if proj["packed_ms"] else None
+                ),
                 "projections": proj,
                 "kv_bytes_per_step_mean": kv_per_token * batch * (len(ids) + (n + 1) / 2),
             }
@@ -461,7 +491,8 @@ def main() -> None:
                     f"x{r['server_vs_generate_static']:.2f} static, "
                     f"{r['server_pct_of_roofline']:.1f}% of roofline; step "
                     f"{r['step_ms']['server']:.1f} ms vs projections "
-                    f"{r['step_ms']['projections_only']:.1f} ms",
+                    f"{r['step_ms']['projections_only']:.1f} ms "
+                    f"(packed {r['step_ms']['projections_only_packed'] or 0:.1f} ms)",
                     flush=True,
                 )
         results = [r for t in payload["throughput"].values() for r in t["shapes"].values()]
