@@ -228,3 +228,48 @@ def test_weights_are_not_packed_where_their_copies_would_not_fit(tiny_model, mon
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
     assert not decode_step.LlamaStep(model, 64).packed
     assert decode_step.LlamaStep(model, 64, packed=True).packed  # asked for: packed
+
+
+def test_a_refilled_sampler_adapter_samples_its_own_weights(tiny_model):
+    """An RL loop: train, save for sampling, sample, again. Each save moves the client's
+    older snapshot out of peft, and the next load refills that spare peft adapter instead of
+    building one: the refilled adapter samples the new weights (the training forward's
+    logprobs), and peft holds no adapter per step."""
+    from rlcli.server.engine import SPARE_SAMPLER_SLOTS
+
+    engine = Engine(str(tiny_model), device="cpu", dtype="float32")
+    engine.create_adapter("pol", rank=4, seed=0)
+    prompt = np.arange(5, 25)
+    slots = set()
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        with torch.no_grad():
+            for pname, p in engine.peft.named_parameters():
+                if "lora_B" in pname and ".pol." in pname:
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+        engine.snapshot_sampler("pol", f"s{step}", None, {})
+        job = SampleJob(prompt=prompt, max_tokens=8, temperature=1.0, seed=step, sampler=f"s{step}")
+        (out,) = engine.sample([engine.add_stops(job)])
+        slots.add(engine._sampler_slots[engine.samplers.live[f"s{step}"]])
+        tokens, sampled, _ = out.sequences[0]
+        full = np.concatenate([prompt, tokens])
+        datum = DatumArrays(full[:-1], {"target_tokens": full[1:]})
+        (res,), _ = engine.forward_backward("pol", [datum], "cross_entropy", forward_only=True)
+        np.testing.assert_allclose(sampled, res["logprobs"][len(prompt) - 1 :], atol=1e-4)
+    assert len(slots) == 1  # one peft adapter, refilled at every step
+    assert len(engine.peft.peft_config) <= 2 + SPARE_SAMPLER_SLOTS
+
+
+def test_a_sampler_first_loaded_inside_a_batch_samples_alone_later(tiny_model):
+    """A request whose sampler is first loaded while a decode batch admits it (under
+    inference mode): its peft adapter is still an ordinary one, so sampling from it again
+    after another sampler's turn works (it failed with "Setting requires_grad=True on
+    inference tensor")."""
+    engine = _engine(tiny_model)  # "one" and "two" saved, neither loaded yet
+    batch = engine.decode_batch(None)
+    done = batch.admit([_job(5, 1, "two")], [0])
+    while len(batch):
+        done += batch.step()
+    for sampler in ("one", "two"):
+        (out,) = engine.sample([_job(5, 1, sampler)])
+        assert [len(seq[0]) for seq in out.sequences] == [12, 12], out

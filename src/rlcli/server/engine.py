@@ -41,6 +41,9 @@ LORA_ALPHA = 32
 # and its 256-token answer in one pass); a GPU needs big ones.
 MICROBATCH_TOKENS = {"cuda": 4096, "cpu": 512}
 MAX_LOADED_SAMPLERS = 8  # sampler snapshots kept as live peft adapters (LRU)
+SPARE_SAMPLER_SLOTS = (
+    4  # peft adapters of unloaded samplers kept to refill (see _add_sampler_adapter)
+)
 # In-memory sampler snapshots kept for reloading. RL makes one per step and samples from it
 # for that step (async RL: a step or two back); a LoRA of a 4B model is ~250 MB in float32.
 # Each training client's newest SNAPSHOTS_PER_CLIENT, and any it sampled since its last save,
@@ -196,7 +199,9 @@ class Engine:
             self.decode_path = "rlcli llama step"
         else:
             log.info("decode step: transformers' forward for this model (%s)", why)
-        self._lora_support: dict[str, bool] = {}  # peft adapter -> the step can apply it
+        self._lora_support: dict[str, bool] = {}  # sampler adapter -> the step can apply it
+        self._sampler_slots: dict[str, str] = {}  # sampler adapter -> the peft adapter holding it
+        self._spare_slots: list[str] = []  # peft adapters of unloaded samplers, to refill
         self.peft = None  # the PeftModel, once the first adapter exists
         self._adapters_off = False  # every LoRA layer switched off: the peft model is the base
         self.adapters: dict[str, Adapter] = {}
@@ -344,9 +349,16 @@ class Engine:
         return {"model_id": name}
 
     def _delete_adapter(self, name: str) -> None:
-        """Drop a peft adapter that its owner (``adapters`` or the sampler cache) let go of."""
+        """Drop a peft adapter that its owner (``adapters`` or the sampler cache) let go of;
+        an unloaded sampler's is kept as a spare to refill (up to ``SPARE_SAMPLER_SLOTS``)."""
+        self._lora_support.pop(name, None)
+        slot = self._sampler_slots.pop(name, None)
+        if slot is not None and len(self._spare_slots) < SPARE_SAMPLER_SLOTS:
+            self._spare_slots.append(slot)
+            return
+        name = slot or name
         self._adapter_layers(on=True)
-        if self.adapters or self.samplers.live_count():
+        if self.adapters or self.samplers.live_count() or self._spare_slots:
             self.peft.delete_adapter(name)
         else:  # peft cannot delete its last adapter: unwrap back to the bare base model
             self.model = self.peft.unload()
@@ -363,19 +375,38 @@ class Engine:
             self.peft.add_adapter(name, config)
 
     def _add_sampler_adapter(self, name: str, config, state: dict) -> None:
+        """Load sampler ``name``'s weights as a peft adapter (prefill runs through peft).
+
+        A spare peft adapter of an unloaded sampler with the same LoRA config is refilled
+        instead of adding one: peft's ``add_adapter`` builds a LoRA module per layer, 0.5-0.9
+        s a snapshot on SmolLM2 at rank 32, which an RL loop paid every step."""
         from peft.utils import set_peft_model_state_dict
 
-        self._add_peft_adapter(name, config)
-        with torch.no_grad():
-            set_peft_model_state_dict(self.peft, state, adapter_name=name)
-        for n, p in self.peft.named_parameters():
-            if f".{name}." in n:
-                p.requires_grad_(False)
+        # Outside inference mode even when a decode batch loads it mid-admit: peft's
+        # set_adapter later marks its tensors trainable, which an inference tensor refuses.
+        with torch.inference_mode(False):
+            wanted = config.to_dict()
+            slot = next(
+                (s for s in self._spare_slots if self.peft.peft_config[s].to_dict() == wanted), None
+            )
+            if slot is None:
+                self._add_peft_adapter(name, config)
+                slot = name
+            else:
+                self._spare_slots.remove(slot)
+            self._sampler_slots[name] = slot
+            with torch.no_grad():
+                set_peft_model_state_dict(self.peft, state, adapter_name=slot)
+            if slot == name:
+                for n, p in self.peft.named_parameters():
+                    if f".{name}." in n:
+                        p.requires_grad_(False)
 
     def _set_adapter(self, name: str) -> None:
         """Adapter ``name`` on (the layers switched on too). peft's set_adapter walks every
         module (~0.7 ms on the tiny model): skip repeats."""
         self._adapter_layers(on=True)
+        name = self._sampler_slots.get(name, name)
         if self.peft.active_adapter != name:
             self.peft.set_adapter(name)
 
@@ -700,8 +731,11 @@ class Engine:
 
     def _prefill_module(self, key: str | None) -> tuple[torch.nn.Module, str | None]:
         """The module that prefills for sampler ``key`` and its peft adapter (None: base)."""
-        module = self._sampler_module(key)
-        return module, None if key is None else self.peft.active_adapter
+        if key is None:
+            return self._activate(None), None
+        name = self.samplers.activate(key)
+        self._set_adapter(name)
+        return self.peft, name
 
     def _step_accepts(self, key: str | None) -> bool:
         """Whether the decode step can sample ``key``: the base, or a plain LoRA on the
@@ -722,6 +756,7 @@ class Engine:
     def _plain_lora(self, name: str) -> bool:
         from peft.tuners.lora import LoraLayer
 
+        name = self._sampler_slots.get(name, name)  # the peft adapter
         config = self.peft.peft_config[name]
         if getattr(config, "use_dora", False) or getattr(config, "lora_bias", False):
             return False
@@ -754,6 +789,7 @@ class Engine:
         """Peft adapter ``name``'s LoRA as the decode step takes it: {(layer, projection) or
         "lm_head": (A [r, in], B [out, r] x scaling)}, float32 copies (the adapter may be
         unloaded while rows still decode with it)."""
+        name = self._sampler_slots.get(name, name)  # the peft adapter
         return {
             where: (
                 m.lora_A[name].weight.detach().float().clone(),

@@ -64,12 +64,17 @@ class SamplerCache:
     def put(
         self, key: str, config: Any, state: dict, version: str | None, owner: str | None = None
     ) -> None:
-        """Store (or replace) the weights behind ``key``, saved by training client ``owner``."""
+        """Store (or replace) the weights behind ``key``, saved by training client ``owner``.
+        The owner's older snapshots stay stored but leave peft: an RL loop samples from the
+        snapshot it just saved, and the engine refills the adapter they free for the next
+        one (~70 ms on SmolLM2 at rank 32, where building one took 0.5-0.9 s)."""
         self._unload(key)
         self.snapshots.pop(key, None)
         step = 0
         if owner is not None:
             step = self.saves[owner] = self.saves.get(owner, 0) + 1
+            for older in [k for k, snap in self.snapshots.items() if snap.owner == owner]:
+                self._unload(older)
         self.snapshots[key] = Snapshot(config, state, version, owner, step)
         self._evict(keep=key)  # the snapshot just stored is about to be used
 
