@@ -53,9 +53,9 @@ MIN_LENGTH = 128
 
 def compile_wanted(flag: bool | None, device: torch.device) -> bool:
     """``--compile`` / ``--no-compile``; else ``RLCLI_COMPILE`` (``0`` or ``1``; the test suite
-    sets 0); else on a GPU only. On a CPU inductor's graph gained 5-10% a step on SmolLM2 for
-    22-38 s of compiling per batch bucket (docs/architecture.md), which a first request waits
-    for: not worth it by default."""
+    sets 0); else on a GPU only. On a CPU a compiled step (plain weights: inductor cannot
+    take the packed ones) was slower than the eager packed one on SmolLM2, after 22-38 s of
+    compiling per batch bucket that a first request waits for (docs/architecture.md)."""
     if flag is not None:
         return flag
     if os.environ.get("RLCLI_COMPILE") in ("0", "1"):
