@@ -96,6 +96,21 @@ def test_every_rl_step_reports_a_small_mismatch_where_sampler_and_trainer_agree(
     assert MEAN not in trainer.optim_step(types.AdamParams(learning_rate=1e-6)).result().metrics
 
 
+def test_a_step_whose_sampled_tokens_were_certain_reports_zero_mismatch():
+    """A converged policy samples tokens at logprob 0.0 with advantage 0 (its group all
+    right), which look like prompt tokens: the step still reports the metric (zeros; an RL
+    run's metrics.jsonl had a step without it), and a step with no RL loss still has none."""
+    from rlcli.server import losses
+    from rlcli.server.engine import step_mismatch
+
+    nothing_told_apart = {
+        losses.MISMATCH_SUM: 0.0, losses.MISMATCH_MAX: 0.0, losses.MISMATCH_TOKENS: 0.0,
+        losses.RATIO_OUTSIDE: 0.0,
+    }  # fmt: skip
+    assert step_mismatch(nothing_told_apart) == {MEAN: 0.0, MAX: 0.0, OUTSIDE: 0.0}
+    assert step_mismatch({}) == {}
+
+
 def test_the_mismatch_metric_sees_sampler_logprobs_that_disagree(server, service, tiny_model):
     trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=0)
     sampler = trainer.save_weights_and_get_sampling_client()

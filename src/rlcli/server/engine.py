@@ -821,10 +821,15 @@ def step_mismatch(sums: dict[str, float]) -> dict[str, float]:
     """A step's sampler/trainer agreement from its forward_backward sums: the mean and max of
     |logp_train - logp_sampler| over the sampled tokens and the share of importance ratios
     outside [0.5, 2] (the cookbook's RL loop writes optim_step's metrics to metrics.jsonl, not
-    forward_backward's). Nothing when no RL loss ran since the last step."""
-    tokens = sums.get(losses.MISMATCH_TOKENS, 0.0)
-    if not tokens:
+    forward_backward's). Nothing when no RL loss ran since the last step; zeros when one ran
+    but no token was told apart from the prompt (a converged policy's sampled tokens have
+    logprob 0.0 and, their group all right, advantage 0: the prompt's marks), so an RL
+    loop's every step still reports it."""
+    if losses.MISMATCH_TOKENS not in sums:
         return {}
+    tokens = sums[losses.MISMATCH_TOKENS]
+    if not tokens:
+        return {STEP_MISMATCH_MEAN: 0.0, STEP_MISMATCH_MAX: 0.0, STEP_RATIO_OUTSIDE: 0.0}
     return {
         STEP_MISMATCH_MEAN: sums[losses.MISMATCH_SUM] / tokens,
         STEP_MISMATCH_MAX: sums[losses.MISMATCH_MAX],
