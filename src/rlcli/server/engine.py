@@ -41,9 +41,8 @@ LORA_ALPHA = 32
 # and its 256-token answer in one pass); a GPU needs big ones.
 MICROBATCH_TOKENS = {"cuda": 4096, "cpu": 512}
 MAX_LOADED_SAMPLERS = 8  # sampler snapshots kept as live peft adapters (LRU)
-SPARE_SAMPLER_SLOTS = (
-    4  # peft adapters of unloaded samplers kept to refill (see _add_sampler_adapter)
-)
+# Peft adapters of unloaded samplers kept to refill with new snapshots (_add_sampler_adapter).
+SPARE_SAMPLER_SLOTS = 4
 # In-memory sampler snapshots kept for reloading. RL makes one per step and samples from it
 # for that step (async RL: a step or two back); a LoRA of a 4B model is ~250 MB in float32.
 # Each training client's newest SNAPSHOTS_PER_CLIENT, and any it sampled since its last save,
