@@ -274,3 +274,34 @@ def test_a_sampler_first_loaded_inside_a_batch_samples_alone_later(tiny_model):
     for sampler in ("one", "two"):
         (out,) = engine.sample([_job(5, 1, sampler)])
         assert [len(seq[0]) for seq in out.sequences] == [12, 12], out
+
+
+def test_a_late_request_for_a_running_prompt_copies_its_cache_instead_of_prefilling(engine):
+    """The cookbook sends a GRPO group as requests of one sample each, and the later ones
+    join a running batch: a prompt (of the same sampler) that a running row has is copied
+    from its slot, not prefilled again, and each request still gets the tokens it gets
+    alone. Another sampler's copy of the prompt, or one asking for prompt logprobs, is
+    prefilled."""
+    first = _job(10, 1, "one", num_samples=1, max_tokens=12)
+    late = [_job(10, 2, "one", num_samples=1, max_tokens=8), _job(10, 3, "one")]
+    other = _job(10, 4, "two", num_samples=1)
+    scored = _job(10, 5, "one", num_samples=1, prompt_logprobs=True)
+    jobs = [first, *late, other, scored]
+    batcher = Batcher(engine)
+    replies = dict(batcher.add([(0, copy.deepcopy(first))]))
+    replies.update(batcher.step())
+    replies.update(batcher.add([(i, copy.deepcopy(jobs[i])) for i in (1, 2)]))
+    batch = batcher.batch
+    assert (batch.prefills, batch.reused) == (1, 1)
+    replies.update(batcher.step())
+    replies.update(batcher.add([(i, copy.deepcopy(jobs[i])) for i in (3, 4)]))
+    assert (batch.prefills, batch.reused) == (3, 1)
+    while batcher.busy:
+        replies.update(batcher.step())
+    for i, job in enumerate(jobs):
+        (ref,) = engine.sample([copy.deepcopy(job)])
+        for (tokens, logps, _), (ref_tokens, ref_logps, _) in zip(
+            replies[i].sequences, ref.sequences, strict=True
+        ):
+            np.testing.assert_array_equal(tokens, ref_tokens)
+            np.testing.assert_allclose(logps, ref_logps, atol=1e-5)

@@ -128,6 +128,12 @@ class SlotBatch(DecodeBatch):
         self._stack_names: list[str] = []
         self._lora_args = None
         self.prefills = 0  # prefill rows run (distinct prompt x sampler)
+        # A prompt already in a running row's slot is not prefilled again for a request that
+        # joins later (the cookbook sends a GRPO group as requests of one sample each): per
+        # row its (sampler, prompt) key, and per key the first draw's logits.
+        self.prompt_keys: list[tuple] = []
+        self._first_logits: dict[tuple, torch.Tensor] = {}
+        self.reused = 0  # prompts copied from a running row instead of prefilled
 
     def accepts(self, key: str | None) -> bool:
         return self._accepts(key)
@@ -152,15 +158,22 @@ class SlotBatch(DecodeBatch):
             for j, u in zip(members, sources, strict=True):
                 prompts[u] = jobs[j].prompt
             want_prompt = any(jobs[j].wants_prompt for j in members)
-            logits, layers, width = self._prefill(module, prompts, want_prompt)
+            keys = [(adapter, prompt.tobytes()) for prompt in prompts]
+            if not want_prompt and all(k in self._first_logits for k in keys):
+                # every prompt is in a running row's slot: its K/V are copied from there
+                logits, layers, width = None, None, 0
+                last = torch.stack([self._first_logits[k] for k in keys])
+                self.reused += len(prompts)
+            else:
+                logits, layers, width = self._prefill(module, prompts, want_prompt)
+                last = logits[:, -1, :].float()
             group_done, rows, expand = self._prepare(
                 [jobs[j] for j in members], [tickets[j] for j in members],
                 lambda u, n, all_=logits, w=width: all_[u, w - n :], sources,
             )  # fmt: skip
             done.extend(group_done)
             if rows:
-                last = logits[:, -1, :].float()
-                placed.append((rows, expand, prompts, layers, last, width, adapter))
+                placed.append((rows, expand, prompts, layers, last, width, adapter, keys))
         self._loras.update(loras)
         for group in placed:
             self._place(*group)
@@ -190,8 +203,9 @@ class SlotBatch(DecodeBatch):
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         return out.logits, layers, width
 
-    def _place(self, rows, expand, prompts, layers, last_logits, width, adapter) -> None:
-        """Give ``rows`` free slots and copy their prompt's K/V into them."""
+    def _place(self, rows, expand, prompts, layers, last_logits, width, adapter, keys) -> None:
+        """Give ``rows`` free slots and copy their prompt's K/V into them: from the prefill's
+        ``layers``, or (None) from the slot of a running row with the same ``keys`` entry."""
         lengths = [len(prompts[u]) for u in expand]
         need = max(n + 1 for n in lengths)
         if self.rows:
@@ -200,13 +214,21 @@ class SlotBatch(DecodeBatch):
         free = sorted(set(range(self.capacity)) - set(self.slots))
         for u, n, slot in zip(expand, lengths, free, strict=False):
             # Keys past a row's position are never attended to: what a freed slot left
-            # there is overwritten before it is read.
-            for (k, v), keys, values in zip(layers, self.keys, self.values, strict=True):
-                keys[slot, :, :n] = k[u, :, width - n :]
-                values[slot, :, :n] = v[u, :, width - n :]
+            # there is overwritten before it is read. A row never writes below its prompt's
+            # length, so a running row's slot still holds its prompt's K/V.
+            if layers is None:
+                source = self.slots[self.prompt_keys.index(keys[u])]
+                for cache in (*self.keys, *self.values):
+                    cache[slot, :, :n] = cache[source, :, :n]
+            else:
+                for (k, v), ks, vs in zip(layers, self.keys, self.values, strict=True):
+                    ks[slot, :, :n] = k[u, :, width - n :]
+                    vs[slot, :, :n] = v[u, :, width - n :]
             self.positions[slot] = n
             self.slots.append(slot)
             self.adapters.append(adapter)
+            self.prompt_keys.append(keys[u])
+            self._first_logits.setdefault(keys[u], last_logits[u])
         index = torch.tensor(expand, device=self.device)
         new_logits = last_logits[index]
         self._next_logits = (
@@ -278,6 +300,9 @@ class SlotBatch(DecodeBatch):
         self.rows = [self.rows[r] for r in keep]
         self.slots = [self.slots[r] for r in keep]
         self.adapters = [self.adapters[r] for r in keep]
+        self.prompt_keys = [self.prompt_keys[r] for r in keep]
+        live = set(self.prompt_keys)
+        self._first_logits = {k: v for k, v in self._first_logits.items() if k in live}
         self._lora_args = None
         if not keep:
             self._next_logits = None
