@@ -670,10 +670,7 @@ class Engine:
 
     def _sampler_module(self, key: str | None) -> torch.nn.Module:
         """The module that samples from ``key``: the base model, or a snapshot as an adapter."""
-        if key is None:
-            return self._activate(None)
-        self._set_adapter(self.samplers.activate(key))
-        return self.peft
+        return self._prefill_module(key)[0]
 
     # ---- sampling ---------------------------------------------------------------------------
     def sample(self, jobs: list[SampleJob]) -> list[SampleOutput | UserError | Exception]:
@@ -729,7 +726,8 @@ class Engine:
         return batch
 
     def _prefill_module(self, key: str | None) -> tuple[torch.nn.Module, str | None]:
-        """The module that prefills for sampler ``key`` and its peft adapter (None: base)."""
+        """The module that prefills for sampler ``key`` and the name its adapter was loaded
+        under (None: the base model)."""
         if key is None:
             return self._activate(None), None
         name = self.samplers.activate(key)

@@ -158,7 +158,7 @@ class SlotBatch(DecodeBatch):
             for j, u in zip(members, sources, strict=True):
                 prompts[u] = jobs[j].prompt
             want_prompt = any(jobs[j].wants_prompt for j in members)
-            keys = [(adapter, prompt.tobytes()) for prompt in prompts]
+            keys = [(adapter, prompt) for prompt in unique]  # unique: bytes, in u order
             if not want_prompt and all(k in self._first_logits for k in keys):
                 # every prompt is in a running row's slot: its K/V are copied from there
                 logits, layers, width = None, None, 0
