@@ -225,7 +225,7 @@ def test_weights_are_not_packed_where_their_copies_would_not_fit(tiny_model, mon
     what the kernel says is available), plain matmuls."""
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(decode_step, "_spare_memory", lambda: 0)
+    monkeypatch.setattr(decode_step, "spare_memory", lambda: 0)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
     assert not decode_step.LlamaStep(model, 64).packed
     assert decode_step.LlamaStep(model, 64, packed=True).packed  # asked for: packed

@@ -9,6 +9,8 @@ LoRA gradient within BF16_GRAD_COSINE of the float32 direction.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -129,11 +131,12 @@ def test_checkpointing_recomputes_layers_and_matches(tiny_model, fp32, small_chu
 
 
 def test_auto_checkpointing_on_cpu_recomputes_only_rows_over_the_budget(tiny_model, fp32):
-    """By default a CPU engine takes micro-batches of 512 tokens and checkpoints none of them;
-    a row longer than the budget (it cannot be split) is checkpointed, and both match."""
+    """By default a CPU engine takes micro-batches as large as memory allows (a tiny model's:
+    the 4096-token ceiling) and checkpoints none of them; a row longer than the budget (it
+    cannot be split) is checkpointed, and both match."""
     default = Engine(str(tiny_model), device="cpu", dtype="float32")
-    assert default.microbatch_tokens == 512 and default.grad_checkpointing
-    assert default.info()["grad_checkpointing"] == "above 512 tokens"
+    assert default.microbatch_tokens == 4096 and default.grad_checkpointing
+    assert default.info()["grad_checkpointing"] == "above 4096 tokens"
     engine = _engine(tiny_model, dtype="float32", microbatch_tokens=24)
     layer = engine._checkpoint_layers[0].self_attn
     data = _data(engine.vocab_size)  # rows of 37, 20 and 9 tokens: 37 alone is over 24
@@ -180,13 +183,28 @@ def test_microbatch_tokens_below_one_is_refused_not_replaced_by_the_default(caps
     from rlcli.server.engine import pick_microbatch_tokens
 
     cpu = torch.device("cpu")
-    assert pick_microbatch_tokens(None, cpu) == 512 and pick_microbatch_tokens(7, cpu) == 7
+    assert pick_microbatch_tokens(7, cpu) == 7
     with pytest.raises(ValueError, match="at least 1"):
         pick_microbatch_tokens(0, cpu)
     with pytest.raises(SystemExit) as exited:
         server_main(["--base-model", "x", "--microbatch-tokens", "0"])
     assert exited.value.code == 2
     assert "--microbatch-tokens: must be at least 1" in capsys.readouterr().err
+
+
+def test_the_cpu_default_micro_batch_is_what_half_the_free_memory_holds():
+    """Activations of the default micro-batch take at most half the memory left with the
+    model loaded, in steps of 512 tokens between 512 and 4096; a GPU takes 4096."""
+    from rlcli.server.engine import activation_bytes_per_token, pick_microbatch_tokens
+
+    cpu, mb = torch.device("cpu"), 2**20
+    assert pick_microbatch_tokens(None, cpu, 2 * mb, 20_000 * mb) == 4096
+    assert pick_microbatch_tokens(None, cpu, 2 * mb, 6_400 * mb) == 1536  # 1600 fit
+    assert pick_microbatch_tokens(None, cpu, 10 * mb, 4_000 * mb) == 512  # 200 fit: the floor
+    assert pick_microbatch_tokens(None, cpu, 2 * mb, 0) == 512  # free memory unknown
+    assert pick_microbatch_tokens(None, torch.device("cuda"), 2 * mb, 0) == 4096
+    smollm2 = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30)
+    assert 2.2e6 < activation_bytes_per_token(smollm2) < 2.5e6  # measured: 2.2-2.4 MB
 
 
 def test_bf16_weights_match_fp32_within_tolerance_and_keep_fp32_lora(tiny_model, fp32):

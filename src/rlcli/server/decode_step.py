@@ -177,7 +177,7 @@ def pack(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
     return packed
 
 
-def _spare_memory() -> int:
+def spare_memory() -> int:
     """Bytes the kernel says could still be allocated (MemAvailable), 0 where unknown."""
     try:
         with open("/proc/meminfo") as f:
@@ -262,7 +262,7 @@ class LlamaStep(torch.nn.Module):
         self.packed = False
         if packed is None:
             extra = sum(m.numel() * m.element_size() for m in matrices)
-            packed = head_weight.device.type == "cpu" and 2 * extra < _spare_memory()
+            packed = head_weight.device.type == "cpu" and 2 * extra < spare_memory()
         copies = pack(matrices) if packed else None
         if copies is not None:
             self.packed = True
