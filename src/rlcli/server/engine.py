@@ -119,13 +119,15 @@ def pick_microbatch_tokens(
 def activation_bytes_per_token(config) -> int:
     """An estimate of what a training forward keeps for the backward, per token: float32
     copies of ~12 hidden-wide and ~8 MLP-wide vectors per layer (the layers' float32
-    results, and peft's float32 casts of each LoRA input). Measured on SmolLM2 (30 layers,
-    576 / 1536 wide): 2.2 MB a token in bf16, 2.4 in float32; this gives 2.3."""
+    results, and peft's float32 casts of each LoRA input), and the output layer's float32
+    softmax (``logprobs.py``) with room for its temporaries. Measured on SmolLM2 (30 layers,
+    576 / 1536 wide, 49k vocabulary): 2.7 MB a token in bf16; this gives 2.7."""
     config = getattr(config, "text_config", None) or config
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     wide = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    return layers * (12 * hidden + 8 * wide) * 4
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    return (layers * (12 * hidden + 8 * wide) + 2 * vocab) * 4
 
 
 def checkpoint_above(mode: bool | None, device: torch.device, microbatch_tokens: int) -> float:
@@ -569,7 +571,8 @@ class Engine:
             else:
                 hidden = module(input_ids=tokens, attention_mask=mask.long()).logits
                 head = _identity
-            picked = logprobs.target_logprobs(hidden[mask], head, targets[mask])
+            recompute = tokens.numel() > self._checkpoint_above  # as the layers are
+            picked = logprobs.target_logprobs(hidden[mask], head, targets[mask], None, recompute)
         logp = torch.zeros(targets.shape, dtype=torch.float32, device=dev)
         return logp.index_put((mask,), picked), mask, inputs
 
