@@ -71,9 +71,14 @@ class _PickLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        lse = logits.logsumexp(-1, keepdim=True)
-        ctx.save_for_backward(torch.exp(logits - lse), targets)
-        return _pick(logits, targets, lse)
+        # logsumexp and softmax from one exp: 5 passes over the chunk, not logsumexp's 4
+        # then a subtraction and an exp into two more new tensors
+        top = logits.amax(-1, keepdim=True)
+        softmax = torch.sub(logits, top).exp_()
+        total = softmax.sum(-1, keepdim=True)
+        softmax.div_(total)
+        ctx.save_for_backward(softmax, targets)
+        return _pick(logits, targets, top + total.log())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
