@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -53,9 +54,9 @@ MIN_LENGTH = 128
 
 def compile_wanted(flag: bool | None, device: torch.device) -> bool:
     """``--compile`` / ``--no-compile``; else ``RLCLI_COMPILE`` (``0`` or ``1``; the test suite
-    sets 0); else on a GPU only. On a CPU a compiled step (plain weights: inductor cannot
-    take the packed ones) was slower than the eager packed one on SmolLM2, after 22-38 s of
-    compiling per batch bucket that a first request waits for (docs/architecture.md)."""
+    sets 0); else on a GPU only. On a CPU a compiled step gains 8-16% a step on SmolLM2
+    (bf16, batch 8), after 36-53 s of compiling per batch bucket and LoRA layout that a first
+    request waits for: worth it for a long-lived server only (docs/architecture.md)."""
     if flag is not None:
         return flag
     if os.environ.get("RLCLI_COMPILE") in ("0", "1"):
@@ -145,15 +146,27 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias, packed=None, upcast: bo
     """As the model's own Linear computes: a float32 layer as is, a bf16 one as
     ``precision.Bf16Linear`` (bf16 matmul, float32 result; ``upcast=False`` leaves the result
     bf16 where the next op's type promotion does the same upcast for free); on oneDNN's
-    ``packed`` copy of the weight where there is one (``pack``)."""
+    ``packed`` copy of the weight where there is one (``pack``; in a compiled step its int
+    key, ``_packed_linear``)."""
     low = weight.dtype != torch.float32
     if low:
         x = x.to(weight.dtype)
     if packed is None:
         y = F.linear(x, weight, bias)
+    elif isinstance(packed, int):  # a compiled step's key (``_packed_linear``)
+        y = _packed_linear(x, bias, packed, weight.shape[0])
     else:
         y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return y.float() if low and upcast else y
+
+
+def _pick(keys: dict[str, int] | None, weights: LayerWeights, name: str, packed: bool):
+    """What ``_linear`` multiplies by for projection ``name``: its packed weight's key
+    (compiling: a graph must not touch the packed tensor), the packed weight (eager), or
+    None (the plain weight)."""
+    if keys is not None:
+        return keys[name]
+    return getattr(weights, f"{name}_packed") if packed else None
 
 
 def pack(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -175,6 +188,30 @@ def pack(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
     except (RuntimeError, AttributeError):  # no oneDNN, or no kernel for this dtype
         return None
     return packed
+
+
+# oneDNN's packed weights by key, for compiled steps: inductor cannot take a packed
+# (mkldnn-layout) tensor as a graph input, but an op that finds it by an int key is opaque to
+# the compiler, which fuses the small ops between such calls (``_packed_linear``).
+_PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _register_packed(weight: torch.Tensor) -> int:
+    _PACKED[id(weight)] = weight
+    return id(weight)
+
+
+@torch.library.custom_op("rlcli::packed_linear", mutates_args=())
+def _packed_linear(
+    x: torch.Tensor, bias: torch.Tensor | None, key: int, out_features: int
+) -> torch.Tensor:
+    """``x`` times the packed weight registered as ``key`` (+ ``bias``), as in eager."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _PACKED[key], bias, "none", [], "")
+
+
+@_packed_linear.register_fake
+def _(x, bias, key, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def spare_memory() -> int:
@@ -264,11 +301,16 @@ class LlamaStep(torch.nn.Module):
             extra = sum(m.numel() * m.element_size() for m in matrices)
             packed = head_weight.device.type == "cpu" and 2 * extra < spare_memory()
         copies = pack(matrices) if packed else None
+        # the same copies by key, for a compiled step (``_packed_linear``)
+        self.packed_keys: list[dict[str, int]] = [{} for _ in layers]
+        self.head_key: int | None = None
         if copies is not None:
             self.packed = True
             for i, w in enumerate(layers):
                 for j, name in enumerate(("qkv", "o", "gate_up", "down")):
                     w[f"{name}_packed"] = copies[4 * i + j]
+                    self.packed_keys[i][name] = _register_packed(copies[4 * i + j])
+            self.head_key = _register_packed(copies[-1])
         elif packed:
             log.info("decode step: oneDNN cannot pack these weights; plain matmuls")
         self.layers = torch.nn.ModuleList(LayerWeights(**w) for w in layers)
@@ -315,9 +357,10 @@ class LlamaStep(torch.nn.Module):
         attend = length if attend is None else attend
         group = heads // kv
         # float32 matmuls of one row: F.linear's gemv beat the packed layout (16 vs 24 ms a
-        # step on SmolLM2); bf16 ones and any batch: the packed layout.
+        # step on SmolLM2); bf16 ones and any batch: the packed layout. A compiled step finds
+        # the packed weights by key (``_packed_linear``): a graph cannot hold them.
         packed = self.packed and (rows > 1 or self.dtype != torch.float32)
-        packed = packed and not torch.compiler.is_compiling()  # inductor packs its own
+        keyed = packed and torch.compiler.is_compiling()
         h = F.embedding(tokens, self.embed)  # [B, hidden]
         cos = self.cos[positions].unsqueeze(1)  # [B, 1, head_dim]
         sin = self.sin_signed[positions].unsqueeze(1)
@@ -335,7 +378,8 @@ class LlamaStep(torch.nn.Module):
         masks = masks or (None, None, None, None)  # None: one adapter, every row its own
         for i, w in enumerate(self.layers):
             x = _rms_norm(h, w.norm_in, w.norm_in32, self.eps)
-            qkv = _linear(x, w.qkv, w.qkv_bias, w.qkv_packed if packed else None)
+            pk = self.packed_keys[i] if keyed else None
+            qkv = _linear(x, w.qkv, w.qkv_bias, _pick(pk, w, "qkv", packed))
             if per_layer is not None and per_layer[i][0] is not None:
                 qkv = _lora(qkv, x, per_layer[i][0], masks[3])
             qk = qkv[:, : self.q_size + self.kv_size].view(rows, heads + kv, dim)
@@ -356,22 +400,23 @@ class LlamaStep(torch.nn.Module):
             a = torch.bmm(scores.softmax(-1), values[i][:, :, :attend].view(rows * kv, attend, dim))
             a = a.view(rows, self.q_size)
             # bf16 + bf16 would stay bf16: the first layer's residual (the embedding) is bf16
-            o = _linear(a, w.o, w.o_bias, w.o_packed if packed else None, upcast=h.dtype != a.dtype)
+            o = _linear(a, w.o, w.o_bias, _pick(pk, w, "o", packed), h.dtype != a.dtype)
             if per_layer is not None and per_layer[i][1] is not None:
                 o = _lora(o, a, per_layer[i][1], masks[1])
             h = h + o  # float32 (+ bf16: promoted exactly)
             x = _rms_norm(h, w.norm_post, w.norm_post32, self.eps)
-            gu = _linear(x, w.gate_up, None, w.gate_up_packed if packed else None)
+            gu = _linear(x, w.gate_up, None, _pick(pk, w, "gate_up", packed))
             if per_layer is not None and per_layer[i][2] is not None:
                 gu = _lora(gu, x, per_layer[i][2], masks[2])
             gate, up = gu.split([self.intermediate, self.intermediate], dim=-1)
             m = F.silu(gate) * up
-            d = _linear(m, w.down, None, w.down_packed if packed else None, upcast=False)
+            d = _linear(m, w.down, None, _pick(pk, w, "down", packed), False)
             if per_layer is not None and per_layer[i][3] is not None:
                 d = _lora(d, m, per_layer[i][3], masks[1])
             h = h + d
         x = _rms_norm(h, self.final_norm, self.final_norm32, self.eps)
-        logits = _linear(x.float(), self.head, self.head_bias, self.head_packed if packed else None)
+        head = self.head_key if keyed else (self.head_packed if packed else None)
+        logits = _linear(x.float(), self.head, self.head_bias, head)
         if head_lora is not None:
             logits = _lora(logits, x, head_lora, masks[1])
         return logits
