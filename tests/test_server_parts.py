@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -152,3 +153,38 @@ def test_a_saved_adapter_holds_its_own_tensors_only(tiny_model, caplog):
         state = engine._adapter_state("zebra")
     assert state.keys() == clean.keys() and not any("stray" in k for k in state)
     assert "does not list: ['stray']" in caplog.text
+
+
+_STEPS = """
+import resource, sys, torch
+from rlcli.server import allocator
+kept = allocator.keep_freed_memory() if sys.argv[1] == "keep" else None
+def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+counts = []
+for step in range(4):  # a training step's output-layer chunks (25 MB each), kept then freed
+    before = faults()
+    chunks = [torch.ones(128, 49152) for _ in range(20)]
+    del chunks
+    counts.append(faults() - before)
+print(kept, sum(counts[1:]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_the_engine_allocator_keeps_freed_memory_for_the_next_step():
+    """What a step frees comes back to the next one mostly from the heap, not as fresh pages
+    to fault in (``allocator.keep_freed_memory``, the engine process's setting). Measured:
+    steps 2-4 of this pattern fault 43k pages with it and 166-282k with glibc's defaults."""
+    import subprocess
+
+    def run(mode: str) -> tuple[str, int]:
+        out = subprocess.run(
+            [sys.executable, "-c", _STEPS, mode], capture_output=True, text=True, check=True
+        )
+        kept, faults = out.stdout.split()
+        return kept, int(faults)
+
+    kept, faults = run("keep")
+    _, default_faults = run("default")
+    assert kept == "True"
+    assert 2 * faults < default_faults, (faults, default_faults)

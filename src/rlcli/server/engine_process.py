@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from rlcli.server import ops
+from rlcli.server import allocator, ops
 from rlcli.server.batcher import Batcher
 from rlcli.server.engine import Engine
 from rlcli.server.errors import UserError
@@ -155,6 +155,7 @@ def engine_main(settings: dict[str, Any], requests, results) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
     torch.set_num_threads(settings.get("threads") or torch.get_num_threads())
+    allocator.keep_freed_memory()  # before the model loads: its blocks too
     try:
         engine = Engine(
             settings["base_model"],
