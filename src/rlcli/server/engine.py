@@ -34,12 +34,11 @@ log = logging.getLogger("rlcli.engine")
 # As on Tinker, unless a client asks for another (rlcli's --lora-alpha): with it fixed, the
 # learning rate does not have to move with the rank
 LORA_ALPHA = 32
-# Padded tokens per forward pass, by device type: bounds activation memory (a 30-layer 135M
-# model holds about 2 MB of activations per token for the backward pass without gradient
-# checkpointing, about 0.1 MB with it). A CPU computes about as fast per token from ~256
-# tokens up, so it takes small micro-batches instead of recomputing layers (512: an RL prompt
-# and its 256-token answer in one pass); a GPU needs big ones.
-MICROBATCH_TOKENS = 4096  # padded tokens per forward/backward pass, the default's ceiling
+# Padded tokens per forward/backward pass: bounds activation memory (a 30-layer 135M model
+# holds about 2.7 MB per token for the backward pass without gradient checkpointing, about
+# 0.1 MB with it). A GPU checkpoints and takes the ceiling; a CPU does not checkpoint and takes
+# what half its free memory holds, within these bounds (pick_microbatch_tokens).
+MICROBATCH_TOKENS = 4096  # the default's ceiling
 MIN_CPU_MICROBATCH_TOKENS = 512  # the CPU default's floor: an RL prompt and a 256-token answer
 MAX_LOADED_SAMPLERS = 8  # sampler snapshots kept as live peft adapters (LRU)
 # Peft adapters of unloaded samplers kept to refill with new snapshots (_add_sampler_adapter).
