@@ -156,12 +156,12 @@ def test_checkpointing_recomputes_layers_and_matches(tiny_model, fp32, small_chu
 
 
 def test_auto_checkpointing_on_cpu_recomputes_only_rows_over_the_budget(tiny_model, fp32):
-    """By default a CPU engine takes micro-batches as large as memory allows (a tiny model's:
-    the 4096-token ceiling) and checkpoints none of them; a row longer than the budget (it
-    cannot be split) is checkpointed, and both match."""
+    """By default a float32 CPU engine takes micro-batches of 512 tokens and checkpoints none
+    of them; a row longer than the budget (it cannot be split) is checkpointed, and both
+    match."""
     default = Engine(str(tiny_model), device="cpu", dtype="float32")
-    assert default.microbatch_tokens == 4096 and default.grad_checkpointing
-    assert default.info()["grad_checkpointing"] == "above 4096 tokens"
+    assert default.microbatch_tokens == 512 and default.grad_checkpointing
+    assert default.info()["grad_checkpointing"] == "above 512 tokens"
     engine = _engine(tiny_model, dtype="float32", microbatch_tokens=24)
     layer = engine._checkpoint_layers[0].self_attn
     data = _data(engine.vocab_size)  # rows of 37, 20 and 9 tokens: 37 alone is over 24
@@ -217,16 +217,18 @@ def test_microbatch_tokens_below_one_is_refused_not_replaced_by_the_default(caps
     assert "--microbatch-tokens: must be at least 1" in capsys.readouterr().err
 
 
-def test_the_cpu_default_micro_batch_is_what_half_the_free_memory_holds():
-    """Activations of the default micro-batch take at most half the memory left with the
-    model loaded, in steps of 512 tokens between 512 and 4096; a GPU takes 4096."""
+def test_the_cpu_default_micro_batch_in_bf16_is_what_half_the_free_memory_holds():
+    """In bf16 the activations of the default micro-batch take at most half the memory left
+    with the model loaded, in steps of 512 tokens between 512 and 4096; float32 takes 512 (the
+    speed it gains from more is small); a GPU takes 4096."""
     from rlcli.server.engine import activation_bytes_per_token, pick_microbatch_tokens
 
-    cpu, mb = torch.device("cpu"), 2**20
-    assert pick_microbatch_tokens(None, cpu, 2 * mb, 20_000 * mb) == 4096
-    assert pick_microbatch_tokens(None, cpu, 2 * mb, 6_400 * mb) == 1536  # 1600 fit
-    assert pick_microbatch_tokens(None, cpu, 10 * mb, 4_000 * mb) == 512  # 200 fit: the floor
-    assert pick_microbatch_tokens(None, cpu, 2 * mb, 0) == 512  # free memory unknown
+    cpu, mb, bf16 = torch.device("cpu"), 2**20, torch.bfloat16
+    assert pick_microbatch_tokens(None, cpu, 2 * mb, 20_000 * mb, bf16) == 4096
+    assert pick_microbatch_tokens(None, cpu, 2 * mb, 6_400 * mb, bf16) == 1536  # 1600 fit
+    assert pick_microbatch_tokens(None, cpu, 10 * mb, 4_000 * mb, bf16) == 512  # 200: the floor
+    assert pick_microbatch_tokens(None, cpu, 2 * mb, 0, bf16) == 512  # free memory unknown
+    assert pick_microbatch_tokens(None, cpu, 2 * mb, 20_000 * mb, torch.float32) == 512
     assert pick_microbatch_tokens(None, torch.device("cuda"), 2 * mb, 0) == 4096
     smollm2 = SimpleNamespace(
         hidden_size=576, intermediate_size=1536, num_hidden_layers=30, vocab_size=49152

@@ -61,7 +61,7 @@ def start(
         None,
         min=1,
         help="Padded tokens per forward/backward pass, which bounds activation memory "
-        "(default: 4096 on a GPU; on a CPU 512-4096, what half the free memory holds).",
+        "(default: 4096 on a GPU; on a CPU 512 in float32, in bf16 up to 4096 as memory allows).",
         show_default=False,
     ),
     max_lora_rank: int = typer.Option(64, help="Largest LoRA rank a client may ask for."),

@@ -37,7 +37,7 @@ LORA_ALPHA = 32
 # Padded tokens per forward/backward pass: bounds activation memory (a 30-layer 135M model
 # holds about 2.7 MB per token for the backward pass without gradient checkpointing, about
 # 0.1 MB with it). A GPU checkpoints and takes the ceiling; a CPU does not checkpoint and takes
-# what half its free memory holds, within these bounds (pick_microbatch_tokens).
+# the floor in float32, in bf16 what half its free memory holds (pick_microbatch_tokens).
 MICROBATCH_TOKENS = 4096  # the default's ceiling
 MIN_CPU_MICROBATCH_TOKENS = 512  # the CPU default's floor: an RL prompt and a 256-token answer
 MAX_LOADED_SAMPLERS = 8  # sampler snapshots kept as live peft adapters (LRU)
@@ -93,24 +93,31 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def pick_microbatch_tokens(
-    tokens: int | None, device: torch.device, token_bytes: int = 0, spare_bytes: int = 0
+    tokens: int | None,
+    device: torch.device,
+    token_bytes: int = 0,
+    spare_bytes: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> int:
     """``--microbatch-tokens``, or the device's default.
 
     A GPU: ``MICROBATCH_TOKENS``, every micro-batch checkpointed (``checkpoint_above``). A
-    CPU, which does not checkpoint: the most tokens, up to ``MICROBATCH_TOKENS`` in steps of
-    512, whose activations (``token_bytes`` each, ``activation_bytes_per_token``) fit in half
-    of ``spare_bytes`` (memory free with the model loaded); at least
-    ``MIN_CPU_MICROBATCH_TOKENS``. Why large: matmuls with more rows run faster, bf16 ones on
-    AMX most (SmolLM2, a forward_backward of 8 RL rows of ~310 tokens, bf16: 11.8 s in
-    micro-batches of 512 tokens, 8.2 s of 2048, 7.2-7.5 s of 4096; float32: 13.2 vs 11.8 s
-    for 512 vs 4096)."""
+    CPU does not checkpoint. In bf16 it takes the most tokens, up to ``MICROBATCH_TOKENS`` in
+    steps of 512, whose activations (``token_bytes`` each, ``activation_bytes_per_token``)
+    fit in half of ``spare_bytes`` (memory free with the model loaded), and at least
+    ``MIN_CPU_MICROBATCH_TOKENS``: AMX's bf16 matmuls run much faster with more rows
+    (SmolLM2, a forward_backward of 8 RL rows of ~310 tokens: 11.8 s in micro-batches of 512
+    tokens, 8.2 s of 2048, 7.2-7.5 s of 4096, at 3.0, 6.5 and 8.0 GB). In float32 it takes
+    ``MIN_CPU_MICROBATCH_TOKENS``: there 4096 gained ~1.1x (13.2 vs 11.8 s) for twice the
+    memory."""
     if tokens is not None:
         if tokens < 1:
             raise ValueError(f"microbatch_tokens must be at least 1, got {tokens}")
         return tokens
     if device.type != "cpu":
         return MICROBATCH_TOKENS
+    if dtype == torch.float32:
+        return MIN_CPU_MICROBATCH_TOKENS
     fits = spare_bytes // 2 // max(token_bytes, 1)
     return int(min(MICROBATCH_TOKENS, max(MIN_CPU_MICROBATCH_TOKENS, fits // 512 * 512)))
 
@@ -201,6 +208,7 @@ class Engine:
             self.device,
             activation_bytes_per_token(config),
             decode_step.spare_memory() if self.device.type == "cpu" else 0,
+            self.dtype,
         )
         self.model.requires_grad_(False)
         # bf16 matmuls, float32 results: a LoRA update is not rounded away (precision.py)
