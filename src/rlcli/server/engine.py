@@ -283,13 +283,14 @@ class Engine:
     @contextlib.contextmanager
     def _checkpointing(self, padded_tokens: int):
         """Checkpoint the layers for a training forward of ``padded_tokens`` (see
-        ``checkpoint_above``); forward-only passes never."""
+        ``checkpoint_above``); forward-only passes never. Yields whether it does, which the
+        output layer's chunks follow (``logprobs.target_logprobs``'s ``recompute``)."""
         wanted = torch.is_grad_enabled() and padded_tokens > self._checkpoint_above
         layers = self._checkpoint_layers if wanted else []
         for layer in layers:
             layer.training = True
         try:
-            yield
+            yield wanted
         finally:
             for layer in layers:
                 layer.training = False
@@ -572,13 +573,12 @@ class Engine:
         tokens, mask, targets = tokens.to(dev), mask.to(dev), targets.to(dev)
         inputs = {k: v.to(dev) for k, v in inputs.items()}
         targets = targets.flatten(2) if targets.dim() > 2 else targets
-        with self._checkpointing(tokens.numel()):
+        with self._checkpointing(tokens.numel()) as recompute:
             if self._split_head:
                 hidden, head = self._hidden_states(tokens, mask), self.head_logits
             else:
                 hidden = module(input_ids=tokens, attention_mask=mask.long()).logits
                 head = _identity
-            recompute = tokens.numel() > self._checkpoint_above  # as the layers are
             picked = logprobs.target_logprobs(hidden[mask], head, targets[mask], None, recompute)
         logp = torch.zeros(targets.shape, dtype=torch.float32, device=dev)
         return logp.index_put((mask,), picked), mask, inputs
