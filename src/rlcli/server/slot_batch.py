@@ -34,11 +34,12 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
 
 class LoraStack:
     """The LoRA of the adapters present in a batch, stacked for ``decode_step._lora``: per
-    projection group (q/k/v fused, o, gate/up fused, down) A [adapters x parts x rank, in] and
-    a block-diagonal B, transposed: [adapters x parts x rank, out] (so the matmul out of it
-    reads it in order: ~1.5x faster than through a transposed view here); per row a
-    0/1 mask over the columns of its own adapter. Ranks are padded to the largest; a
-    projection no adapter has is None."""
+    projection group (q/k/v fused, o, gate/up fused, down) A [parts x adapters x rank, in]
+    (part-major) and per part its B, transposed: [adapters x rank, part's out] (so the matmul
+    out of it reads it in order: ~1.5x faster than through a transposed view here; and a
+    fused group's B is not one block-diagonal matrix, a third of whose bytes, zeros, each
+    step would read); per row a 0/1 mask over the columns of its own adapter. Ranks are
+    padded to the largest; a projection no adapter has is None."""
 
     def __init__(self, step: LlamaStep, adapters: list[LoraWeights]) -> None:
         self.count = len(adapters)
@@ -63,19 +64,17 @@ class LoraStack:
             return None
         first = next(p for per_adapter in parts for p in per_adapter if p is not None)
         width = first[0].shape[1]
-        r, n = self.rank, len(outs)
-        a_all = first[0].new_zeros(self.count * n * r, width)
-        b_all = first[0].new_zeros(self.count * n * r, sum(outs))
+        r, n, count = self.rank, len(outs), self.count
+        a_all = first[0].new_zeros(n * count * r, width)
+        b_parts = tuple(first[0].new_zeros(count * r, out) for out in outs)
         for k, per_adapter in enumerate(parts):
-            offset = 0
-            for p, (pair, out) in enumerate(zip(per_adapter, outs, strict=True)):
+            for p, pair in enumerate(per_adapter):
                 if pair is not None:
                     a, b = pair
-                    col = (k * n + p) * r
+                    col = (p * count + k) * r
                     a_all[col : col + a.shape[0]] = a
-                    b_all[col : col + a.shape[0], offset : offset + out] = b.t()
-                offset += out
-        return a_all, b_all
+                    b_parts[p][k * r : k * r + a.shape[0]] = b.t()
+        return a_all, b_parts
 
     def tensors(self, slot_adapter: list[int | None], device) -> tuple:
         """The step's ``lora`` argument for slots whose adapters are ``slot_adapter`` (index
@@ -86,8 +85,8 @@ class LoraStack:
         index = torch.tensor([-1 if o is None else o for o in slot_adapter], device=device)
         masks = [None]
         for parts in (1, 2, 3):
-            owner = torch.arange(self.count * parts * self.rank, device=device)
-            owner = owner // (parts * self.rank)
+            owner = torch.arange(parts * self.count * self.rank, device=device)
+            owner = owner // self.rank % self.count  # part-major columns (``_stack``)
             masks.append((owner.unsqueeze(0) == index.unsqueeze(-1)).float())
         return tuple(masks), tuple(self.layers), self.head
 
