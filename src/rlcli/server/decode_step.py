@@ -13,8 +13,8 @@ arithmetic on tensors laid out for it:
   ``<= position`` (no left padding; a row joining mid-decode just fills a free slot);
 - LoRA for the rows of several adapters at once (``LoraStack``): per projection one matmul
   into the stacked A of every adapter present, a per-row mask keeping each row's own block
-  (none when one adapter has every row), and a matmul out of each part's stacked B that adds to the
-  base output; a base-only batch runs no LoRA op at all;
+  (none when one adapter has every row), and a matmul out of each part's (q, k, v; gate, up)
+  stacked B that adds to the base output; a base-only batch runs no LoRA op at all;
 - on a CPU, the matmuls read oneDNN's packed copies of the weights (``pack``: about 1.4x the
   plain layout's speed at decode batch sizes, for a second copy of the weights in memory);
 - attention of one query token as two batched matmuls over (slot, kv head), over the cache
@@ -355,16 +355,14 @@ class LlamaStep(torch.nn.Module):
 
     def new_cache(self, rows: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Zeroed K/V slots: per layer [rows, kv_heads, length, head_dim], float32 as the
-        model's projections return them (what training's forward attends to). The keys are
-        that shape's transposed view of [rows, kv_heads, head_dim, length] memory: a query's
-        scores then read each head dimension's keys in position order (the matmul's natural
-        layout: SmolLM2's attention at 311 positions x 16 rows took ~10% less)."""
+        model's projections return them (what training's forward attends to).
+
+        (Keys stored transposed, [.., head_dim, length], made the scores' matmul ~10% faster
+        at 300 positions, but each step's write of a token's keys then touched a cache line
+        per head dimension: a wash at 300 positions, a loss at 80. Measured, not kept.)"""
         shape = (rows, self.num_kv_heads, length, self.head_dim)
-        keys = [
-            torch.zeros(rows, shape[1], self.head_dim, length, device=self.device).transpose(2, 3)
-            for _ in self.layers
-        ]
-        return keys, [torch.zeros(shape, device=self.device) for _ in self.layers]
+        make = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in self.layers]
+        return make, [torch.zeros_like(k) for k in make]
 
     def forward(self, tokens, positions, keys, values, lora=None, attend=None):
         rows, kv, heads, dim = tokens.shape[0], self.num_kv_heads, self.num_heads, self.head_dim
@@ -386,12 +384,9 @@ class LlamaStep(torch.nn.Module):
         hidden = torch.arange(attend, device=tokens.device) > positions.unsqueeze(-1)
         mask = torch.zeros(hidden.shape, device=tokens.device).masked_fill(hidden, float("-inf"))
         mask = mask.repeat_interleave(kv, 0).unsqueeze(1)
-        # Where each (slot, kv head)'s new V goes in a layer's cache, flattened to rows; and
-        # each (slot, kv head, dimension)'s new K in the keys' [.., head_dim, length] memory.
+        # Where each (slot, kv head)'s new K/V goes in a layer's cache, flattened to rows.
         slot_heads = torch.arange(rows * kv, device=tokens.device)
         where = slot_heads * length + positions.repeat_interleave(kv)
-        slot_dims = torch.arange(rows * kv * dim, device=tokens.device)
-        where_k = slot_dims * length + positions.repeat_interleave(kv * dim)
         masks, per_layer, head_lora = lora if lora is not None else (None, None, None)
         masks = masks or (None, None, None, None)  # None: one adapter, every row its own
         for i, w in enumerate(self.layers):
@@ -408,7 +403,7 @@ class LlamaStep(torch.nn.Module):
                 q = _rotate(_rms_norm(qk[:, :heads], w.q_norm, w.q_norm32, self.eps), cos, sin)
                 k = _rotate(_rms_norm(qk[:, heads:], w.k_norm, w.k_norm32, self.eps), cos, sin)
             v = qkv[:, self.q_size + self.kv_size :]
-            keys[i].transpose(2, 3).view(-1).index_copy_(0, where_k, k.reshape(-1))
+            keys[i].view(-1, dim).index_copy_(0, where, k.reshape(-1, dim))
             values[i].view(-1, dim).index_copy_(0, where, v.reshape(-1, dim))
             scores = torch.baddbmm(
                 mask, q.reshape(rows * kv, group, dim),
