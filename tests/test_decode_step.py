@@ -125,6 +125,25 @@ def test_identical_prompts_of_one_sampler_are_prefilled_once(engine):
         assert _tokens([outputs[i]]) == _tokens([ref])
 
 
+def test_slots_shrink_as_rows_end_and_the_rest_keep_their_tokens(engine):
+    """An RL batch's rows end at different lengths: the slots shrink to the next bucket once
+    at most half are used (eager), and every row still gets the tokens it gets alone."""
+    jobs = [_job(6 + i, i, "one" if i % 2 else None, max_tokens=2 + 2 * i, num_samples=1)
+            for i in range(8)]  # fmt: skip
+    batch = engine.decode_batch(None)
+    done = batch.admit(copy.deepcopy(jobs), list(range(8)))
+    seen = []
+    while len(batch):
+        done += batch.step()
+        seen.append((len(batch), batch.capacity))
+    assert (8, 8) in seen and (4, 4) in seen and (2, 2) in seen and (1, 1) in seen
+    assert all(rows == 0 or rows > capacity // 2 for rows, capacity in seen)
+    outputs = dict(done)
+    for i, job in enumerate(jobs):
+        (ref,) = engine.sample([copy.deepcopy(job)])
+        assert _tokens([outputs[i]]) == _tokens([ref])
+
+
 def test_compiled_and_eager_decode_give_the_same_tokens_and_compile_once(tiny_model, engine):
     """The compiled step (inductor here) samples what the eager step samples, greedy and
     seeded, base-only and a padded multi-adapter batch; requests after the first reuse its

@@ -465,6 +465,11 @@ class Compiled:
         patches = {"triton.cudagraphs": True} if self.step.device.type == "cuda" else {}
         return compile_fx(gm, example_inputs, config_patches=patches)
 
+    @property
+    def compiling(self) -> bool:
+        """Whether calls run a compiled graph (not eager: off, or fallen back)."""
+        return self._fn is not None
+
     def __call__(self, tokens, positions, keys, values, lora=None, attend=None):
         """``attend``: as ``LlamaStep.forward``'s, eager only (a graph attends to the whole
         cache: one graph for every length)."""
