@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlcli.server import logprobs
+from rlcli.server import logprobs, precision
 from rlcli.server.engine import Engine
 from rlcli.server.wire import DatumArrays
 
@@ -252,6 +252,26 @@ def test_bf16_weights_match_fp32_within_tolerance_and_keep_fp32_lora(tiny_model,
     engine.optim_step("student", learning_rate=1e-3)
     state = engine.adapters["student"].optimizer.state
     assert state and all(s["exp_avg"].dtype == torch.float32 for s in state.values())
+
+
+def test_the_output_layer_is_float32_forward_and_takes_its_gradient_through_bf16():
+    """Logits are the float32 product; the hidden states' gradient is the bf16 product, as a
+    ``Bf16Linear`` below computes its own, and within bf16 rounding of the float32 one."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 300, bias=False).to(torch.bfloat16)
+    precision.mixed_precision(
+        SimpleNamespace(get_output_embeddings=lambda: head, modules=lambda: [head])
+    )
+    assert isinstance(head, precision.Float32Head)
+    x = torch.randn(7, 64, requires_grad=True)
+    logits = head(x)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, torch.nn.functional.linear(x, head.weight32))
+    grad = torch.randn_like(logits)
+    logits.backward(grad)
+    assert torch.equal(x.grad, (grad.bfloat16() @ head.weight).float())
+    exact = grad @ head.weight32
+    assert float((x.grad - exact).norm() / exact.norm()) < 1e-2
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

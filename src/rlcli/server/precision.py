@@ -18,7 +18,8 @@ them, so peft's LoRA layers wrap these):
   traffic of a decode step is) stay bf16 and so do the matmuls' FLOPs.
 - ``Float32Head`` for the output layer: logits in float32 from a float32 copy of its weight
   (one extra copy of the unembedding: 113 MB for SmolLM2's 49k x 576), so logprobs are not
-  quantised by the logits' bf16 grid.
+  quantised by the logits' bf16 grid. Its backward takes the hidden states' gradient through
+  the bf16 weight, as every layer below does (``_HeadProduct``).
 The same modules serve training and sampling, so both get the same arithmetic. A float32
 model is left as it is.
 """
@@ -44,7 +45,26 @@ class Float32Head(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.weight32, bias)
+        return _HeadProduct.apply(x.float(), self.weight32, self.weight, bias)
+
+
+class _HeadProduct(torch.autograd.Function):
+    """The output layer's product: float32 in the forward; in the backward, the hidden
+    states' gradient through the low-precision weight (bf16 in, bf16 out), as every layer
+    below takes its gradient (``Bf16Linear``'s backward is a bf16 matmul): no precision the
+    layers below would keep is lost, and the 49k-wide product, the backward's largest, runs
+    on the CPU's bf16 units (AMX) instead of in float32. The weight is frozen: no gradient
+    of its own."""
+
+    @staticmethod
+    def forward(ctx, x, weight32, weight, bias):
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight32, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        return (grad.to(weight.dtype) @ weight).float(), None, None, None
 
 
 def mixed_precision(model: torch.nn.Module) -> int:
