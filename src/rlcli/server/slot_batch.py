@@ -122,6 +122,10 @@ class SlotBatch(DecodeBatch):
         self.slots: list[int] = []  # per row, its slot
         self.adapters: list[str | None] = []  # per row, its peft adapter (None: base)
         self.positions = torch.zeros(0, dtype=torch.long, device=device)  # per slot
+        # keys, values and positions are views of the first ``capacity`` slots of this
+        # allocation (``_use``): (keys, values, positions) for ``_store_rows`` slots
+        self._store: tuple | None = None
+        self._store_rows = 0
         self._loras: dict[str, LoraWeights] = {}  # adapter -> weights, read once
         self._stack: LoraStack | None = None
         self._stack_names: list[str] = []
@@ -238,19 +242,26 @@ class SlotBatch(DecodeBatch):
 
     def _resize(self, rows: int, length: int, shrink: bool = False) -> None:
         """Slots for ``rows`` rows and room for positions below ``length`` (rounded up to
-        ``LENGTH_STEP``); only ``shrink`` makes either smaller. Rows keep their K/V and are
-        packed into the first slots when the cache is reallocated."""
+        ``LENGTH_STEP``); only ``shrink`` makes the length smaller. A compiled step runs a
+        bucket of slots (a graph each), so its slots only grow but when ``shrink``; an eager
+        one runs exactly ``rows`` slots. Within the allocation this is a view of its first
+        slots; else the cache is reallocated (room for ``bucket(rows)`` rows) and the rows
+        keep their K/V, packed into the first slots."""
         if length > self.max_length:
             raise ValueError(f"a row would pass the model's {self.max_length} positions")
-        capacity = bucket(rows)
+        compiled = self.compiled.compiling
+        capacity = bucket(rows) if compiled else rows
         length = min(-(-length // LENGTH_STEP) * LENGTH_STEP, self.max_length)
         if not shrink:
-            capacity, length = max(capacity, self.capacity), max(length, self.length)
-        if capacity == self.capacity and length == self.length:
+            length = max(length, self.length)
+            capacity = max(capacity, self.capacity) if compiled else capacity
+        if length == self.length and capacity <= self._store_rows and not shrink:
+            self._use(capacity)
             return
-        keys, values = self.step_module.new_cache(capacity, length)
+        store_rows = capacity if compiled else bucket(rows)
+        keys, values = self.step_module.new_cache(store_rows, length)
         count = len(self.slots)
-        positions = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        positions = torch.zeros(store_rows, dtype=torch.long, device=self.device)
         if count:
             old = torch.tensor(self.slots, device=self.device)
             keep = min(length, self.length)
@@ -258,9 +269,33 @@ class SlotBatch(DecodeBatch):
                 for n, c in zip(new, cur, strict=True):
                     n[:count, :, :keep] = c[old, :, :keep]
             positions[:count] = self.positions[old]
-        self.keys, self.values, self.positions = keys, values, positions
-        self.slots, self.capacity, self.length = list(range(count)), capacity, length
+        self._store, self._store_rows = (keys, values, positions), store_rows
+        self.slots, self.length = list(range(count)), length
+        self._use(capacity)
+
+    def _use(self, capacity: int) -> None:
+        """The step runs on the allocation's first ``capacity`` slots (views)."""
+        keys, values, positions = self._store
+        self.keys = [k[:capacity] for k in keys]
+        self.values = [v[:capacity] for v in values]
+        self.positions = positions[:capacity]
+        self.capacity = capacity
         self._lora_args = None
+
+    def _compact(self) -> None:
+        """Eager: rows in slots past the row count move (their K/V up to their position) into
+        the free slots below it, and the step runs on just those: a finished row stops
+        costing its share of every step, for the copy of a few rows' K/V."""
+        count = len(self.slots)
+        free = iter(sorted(set(range(count)) - set(self.slots)))
+        for r, slot in enumerate(self.slots):
+            if slot >= count:
+                new, top = next(free), int(self.positions[slot])
+                for cache in (*self.keys, *self.values):
+                    cache[new, :, :top] = cache[slot, :, :top]
+                self.positions[new] = self.positions[slot]
+                self.slots[r] = new
+        self._use(count)
 
     def _forward(self, chosen: torch.Tensor) -> None:
         slots = torch.tensor(self.slots, device=self.device)
@@ -294,13 +329,12 @@ class SlotBatch(DecodeBatch):
         return self._lora_args[0]
 
     def _keep(self, keep: list[int]) -> None:
-        """Only rows ``keep`` stay; their slots are freed, and the slots shrink to a smaller
-        bucket when at most half are in use (a quarter for a compiled step, which builds a
-        graph per bucket). A free slot still costs its share of the step: SmolLM2 bf16 at
-        ~350 positions, rank-32 LoRA, took 71 / 54 / 46 / 40 ms a step at 16 / 8 / 4 / 2
-        slots, and an RL batch's rows end at different lengths (GSM8K: 146-195 tokens on
-        average, 256 at most), so the tail of a batch ran in slots it no longer needed;
-        moving the rows' K/V costs about one step."""
+        """Only rows ``keep`` stay and their slots are freed. An eager step then runs on
+        just the rows' slots (``_compact``); a compiled one shrinks to a smaller bucket when
+        at most a quarter are in use (a graph per bucket). A free slot still costs its share
+        of a step: SmolLM2 bf16 at ~350 positions, rank-32 LoRA, took 71 / 54 / 46 / 40 ms a
+        step at 16 / 8 / 4 / 2 slots, and an RL batch's rows end at different lengths
+        (GSM8K: 146-195 tokens on average, 256 at most)."""
         self.rows = [self.rows[r] for r in keep]
         self.slots = [self.slots[r] for r in keep]
         self.adapters = [self.adapters[r] for r in keep]
@@ -312,9 +346,12 @@ class SlotBatch(DecodeBatch):
             self._next_logits = None
             self.keys, self.values, self.capacity, self.length = [], [], 0, 0
             self.positions = self.positions[:0]
+            self._store, self._store_rows = None, 0
             return
         self._next_logits = self._next_logits[torch.tensor(keep, device=self.device)]
-        if len(keep) <= self.capacity // (4 if self.compiled.compiling else 2):
+        if not self.compiled.compiling:
+            self._compact()
+        elif len(keep) <= self.capacity // 4:
             top = int(self.positions[self.slots].max())
             self._resize(len(keep), top + 1, shrink=True)
         self._row_params()
