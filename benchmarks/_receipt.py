@@ -92,6 +92,18 @@ def local_server(
         process.stop(home)
 
 
+def server_status(base_url: str) -> dict | None:
+    """``/rlcli/status`` as the server reports it (its engine's settings: dtype, micro-batch
+    tokens, compile times), None where it does not answer."""
+    import httpx
+
+    try:
+        reply = httpx.get(f"{base_url}/rlcli/status", timeout=10)
+        return reply.json() if reply.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 def timed(step, n: int) -> list[float]:
     """Seconds taken by each of ``n`` calls of ``step()``."""
     out = []

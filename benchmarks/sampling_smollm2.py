@@ -159,17 +159,6 @@ def projections_ms(model, batch: int, device, reps: int = 5) -> dict:
     }
 
 
-def server_status(base_url: str) -> dict | None:
-    """``/rlcli/status`` as the server reports it (compile times, where it has them)."""
-    import httpx
-
-    try:
-        reply = httpx.get(f"{base_url}/rlcli/status", timeout=10)
-        return reply.json() if reply.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
 def throughput(model_dir: str, args, dtype_name: str, bandwidth: list[dict]) -> dict:
     """Part 1 at one precision: every shape, every method, interleaved round by round. The
     read bandwidth is measured again before each shape's rounds (appended to ``bandwidth``);
@@ -265,7 +254,7 @@ def throughput(model_dir: str, args, dtype_name: str, bandwidth: list[dict]) -> 
                 "projections": proj,
                 "kv_bytes_per_step_mean": kv_per_token * batch * (len(ids) + (n + 1) / 2),
             }
-        status = server_status(record.base_url)
+        status = _receipt.server_status(record.base_url)
     return {
         "dtype": dtype_name,
         "prompt_tokens": len(ids),

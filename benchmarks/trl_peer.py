@@ -162,6 +162,7 @@ def ours(model: Path, train_args: list[str], tmp: str) -> dict:
         env = {**os.environ, "TINKER_API_KEY": "tml-dummy"}
         _, wall, client_gb = run_measured(command, env)
         engine = tree_peak_rss_gb(record.pid)
+        status = _receipt.server_status(record.base_url) or {}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     server_gb = engine.pop(record.pid, 0.0)
     engine_gb = max(engine.values(), default=0.0)
@@ -174,6 +175,8 @@ def ours(model: Path, train_args: list[str], tmp: str) -> dict:
         "http_process_peak_rss_gb": server_gb,
         "client_peak_rss_gb": client_gb,
         "peak_rss_gb": engine_gb + client_gb,
+        # the engine's settings as it chose them (the CPU micro-batch follows free memory)
+        "engine": status.get("engine"),
     }
 
 
