@@ -143,6 +143,15 @@ def test_an_eager_step_runs_only_the_live_rows_and_each_keeps_its_tokens(engine)
     assert all(capacity == rows for rows, capacity in seen), seen
     assert len({rows for rows, _ in seen}) >= 6, seen
     outputs = dict(done)
+    # a client that goes away mid-decode (``cancel``, outside a step): the others carry on
+    batch = engine.decode_batch(None)
+    done = batch.admit(copy.deepcopy(jobs[4:]), [4, 5, 6, 7])
+    done += batch.step()
+    assert batch.cancel(4) and batch.capacity == len(batch) == 3
+    while len(batch):
+        done += batch.step()
+    assert sorted(dict(done)) == [5, 6, 7]
+    assert all(_tokens([out]) == _tokens([outputs[i]]) for i, out in done)
     for i, job in enumerate(jobs):
         (ref,) = engine.sample([copy.deepcopy(job)])
         assert _tokens([outputs[i]]) == _tokens([ref])

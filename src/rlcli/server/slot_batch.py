@@ -282,7 +282,8 @@ class SlotBatch(DecodeBatch):
         self.capacity = capacity
         self._lora_args = None
 
-    def _compact(self) -> None:
+    @torch.inference_mode()  # also called from ``cancel``, outside a step: the caches are
+    def _compact(self) -> None:  # inference tensors, written in place
         """Eager: rows in slots past the row count move (their K/V up to their position) into
         the free slots below it, and the step runs on just those: a finished row stops
         costing its share of every step, for the copy of a few rows' K/V."""
