@@ -451,6 +451,7 @@ class DecodeBatch:
         )
         self._next_logits = out.logits[:, -1, :].float()
 
+    @torch.inference_mode()  # as admit and step: it may write the batch's tensors in place
     def cancel(self, ticket: Any) -> bool:
         """Drop every row of request ``ticket`` (its client went away) between two steps;
         False if it has none here."""

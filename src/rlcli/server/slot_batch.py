@@ -282,13 +282,10 @@ class SlotBatch(DecodeBatch):
         self.capacity = capacity
         self._lora_args = None
 
-    @torch.inference_mode()
     def _compact(self) -> None:
         """Eager: rows in slots past the row count move (their K/V up to their position) into
         the free slots below it, and the step runs on just those: a finished row stops
-        costing its share of every step, for the copy of a few rows' K/V. (In inference
-        mode: ``cancel`` calls it outside a step, and the caches, inference tensors, are
-        written in place.)"""
+        costing its share of every step, for the copy of a few rows' K/V."""
         count = len(self.slots)
         free = iter(sorted(set(range(count)) - set(self.slots)))
         for r, slot in enumerate(self.slots):
