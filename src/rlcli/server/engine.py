@@ -22,7 +22,16 @@ import numpy as np
 import torch
 
 from rlcli.models.tokenizer import end_of_turn_id
-from rlcli.server import attention, checkpoints, decode_step, finite, logprobs, losses, precision
+from rlcli.server import (
+    attention,
+    checkpoints,
+    decode_step,
+    finite,
+    logprobs,
+    losses,
+    output_layer,
+    precision,
+)
 from rlcli.server.errors import UserError
 from rlcli.server.samplers import SamplerCache
 from rlcli.server.sampling import DecodeBatch, SampleJob, SampleOutput, decode_all
@@ -298,8 +307,9 @@ class Engine:
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states -> logits, as the model's own forward computes them (the output
         layer, with its LoRA if one is active, in the model's dtype; then a logit soft-cap if
-        the architecture has one)."""
-        logits = self.model.get_output_embeddings()(hidden)
+        the architecture has one). The LoRA term joins the product (``output_layer.fused``)."""
+        layer = self.model.get_output_embeddings()
+        logits = (output_layer.fused(layer) or layer)(hidden)
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
