@@ -255,9 +255,9 @@ def _lora(y: torch.Tensor, x: torch.Tensor, stacked, mask) -> torch.Tensor:
     t = F.linear(x.float(), a)
     if mask is not None:
         t = t * mask
-    if len(b_parts) == 1:
-        return torch.addmm(y.float(), t, b_parts[0])
     y = y.float()  # the projection's own output (or a copy): added to in place
+    if len(b_parts) == 1:
+        return y.addmm_(t, b_parts[0])
     width, start = t.shape[1] // len(b_parts), 0
     for p, b in enumerate(b_parts):
         y[:, start : start + b.shape[1]].addmm_(t[:, p * width : (p + 1) * width], b)
