@@ -27,9 +27,9 @@ from rlcli.server import (
     checkpoints,
     decode_step,
     finite,
+    fused_lora,
     logprobs,
     losses,
-    output_layer,
     precision,
 )
 from rlcli.server.errors import UserError
@@ -307,9 +307,8 @@ class Engine:
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states -> logits, as the model's own forward computes them (the output
         layer, with its LoRA if one is active, in the model's dtype; then a logit soft-cap if
-        the architecture has one). The LoRA term joins the product (``output_layer.fused``)."""
-        layer = self.model.get_output_embeddings()
-        logits = (output_layer.fused(layer) or layer)(hidden)
+        the architecture has one)."""
+        logits = self.model.get_output_embeddings()(hidden)
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
@@ -426,6 +425,7 @@ class Engine:
         else:
             self._adapter_layers(on=True)  # a layer added now would start on
             self.peft.add_adapter(name, config)
+        fused_lora.install(self.peft)  # the LoRA term added by its own matmul
 
     def _add_sampler_adapter(self, name: str, config, state: dict) -> None:
         """Load sampler ``name``'s weights as a peft adapter (prefill runs through peft).

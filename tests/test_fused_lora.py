@@ -1,0 +1,74 @@
+"""A LoRA layer's output as one product (``fused_lora``) against peft's own forward and
+backward, in float32 and bf16, and the cases where it must step aside."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlcli.server import fused_lora
+from rlcli.server.engine import Engine
+
+
+def _engine(model, dtype: str) -> Engine:
+    engine = Engine(str(model), device="cpu", dtype=dtype, grad_checkpointing=False)
+    engine.create_adapter("student", rank=4, seed=0, alpha=6.0)  # scaling 1.5: not 1
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # LoRA B starts at 0: make the LoRA term count
+        for p in engine.adapters["student"].params:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    engine._set_adapter("student")
+    return engine
+
+
+def _output_and_gradients(forward, layer, hidden, g) -> tuple[torch.Tensor, ...]:
+    """``forward(layer, x)`` and the gradients of ``(out * g).sum()`` for x, A and B."""
+    x = hidden.clone().requires_grad_()
+    out = forward(layer, x)
+    a, b = layer.lora_A["student"].weight, layer.lora_B["student"].weight
+    return (out.detach(), *torch.autograd.grad((out * g).sum(), (x, a, b)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_lora_layer_gives_pefts_output_and_gradients(tiny_model, dtype):
+    """The output layer, a projection fed the bf16 embedding (layer 0's q_proj in a bf16
+    model) and one fed float32: output, and the input's, A's and B's gradients."""
+    engine = _engine(tiny_model, dtype)
+    fused = fused_lora.fused_class()
+    (peft_linear,) = fused.__bases__
+    layers = engine.model.model.layers
+    cases = {
+        "lm_head": (engine.model.get_output_embeddings(), torch.float32),
+        "q_proj": (layers[0].self_attn.q_proj, engine.model.dtype),
+        "down_proj": (layers[-1].mlp.down_proj, torch.float32),
+    }
+    gen = torch.Generator().manual_seed(2)
+    for where, (layer, x_dtype) in cases.items():
+        assert type(layer) is fused and layer.scaling["student"] == 1.5, where
+        assert fused_lora._plan(layer) is not None, where
+        hidden = torch.randn(2, 5, layer.in_features, generator=gen).to(x_dtype)
+        g = torch.randn(2, 5, layer.out_features, generator=gen)
+        got = _output_and_gradients(fused.forward, layer, hidden, g)
+        ref = _output_and_gradients(peft_linear.forward, layer, hidden, g)
+        assert got[0].dtype == ref[0].dtype == torch.float32, where
+        assert got[1].dtype == ref[1].dtype == x_dtype, where
+        for mine, peft in zip(got, ref, strict=True):
+            tol = 1e-2 if mine.dtype == torch.bfloat16 else 1e-5  # bf16 grads: one rounding
+            torch.testing.assert_close(mine, peft, atol=tol, rtol=tol, msg=where)
+
+
+def test_the_fused_layer_steps_aside_where_peft_does_more(tiny_model):
+    engine = _engine(tiny_model, "float32")
+    layer = engine.model.get_output_embeddings()
+    assert fused_lora._plan(layer) is not None
+    layer.lora_dropout["student"] = torch.nn.Dropout(0.1)
+    assert fused_lora._plan(layer) is None  # dropout: peft's path
+    layer.lora_dropout["student"] = torch.nn.Identity()
+    engine._adapter_layers(on=False)
+    assert fused_lora._plan(layer) is None  # adapters off: the base layer alone
+    engine._adapter_layers(on=True)
+    engine.create_adapter("teacher", rank=4, seed=1)
+    layer.set_adapter(["student", "teacher"])
+    assert fused_lora._plan(layer) is None  # two adapters at once
+    # An adapter added later is re-classed too (install is idempotent: nothing left to do).
+    assert fused_lora.install(engine.peft) == 0
