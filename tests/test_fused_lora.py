@@ -64,6 +64,9 @@ def test_the_fused_layer_steps_aside_where_peft_does_more(tiny_model):
     layer.lora_dropout["student"] = torch.nn.Dropout(0.1)
     assert fused_lora._plan(layer) is None  # dropout: peft's path
     layer.lora_dropout["student"] = torch.nn.Identity()
+    layer.base_layer.weight.requires_grad_(True)
+    assert fused_lora._plan(layer) is None  # a trained base weight: peft's autograd
+    layer.base_layer.weight.requires_grad_(False)
     engine._adapter_layers(on=False)
     assert fused_lora._plan(layer) is None  # adapters off: the base layer alone
     engine._adapter_layers(on=True)

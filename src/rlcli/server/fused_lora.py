@@ -66,11 +66,15 @@ def _plan(layer) -> tuple | None:
         return None
     name = active[0]
     a, b = layer.lora_A[name], layer.lora_B[name]
-    if a.bias is not None or b.bias is not None or a.weight.dtype != torch.float32:
+    if a.bias is not None or b.bias is not None:
+        return None
+    if a.weight.dtype != torch.float32 or b.weight.dtype != torch.float32:
         return None
     if not isinstance(layer.lora_dropout[name], torch.nn.Identity):
         return None
     base = layer.base_layer
+    if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+        return None  # the product's backward gives the base layer no gradient
     if type(base) is Float32Head:
         bias = None if base.bias is None else base.bias.float()
         return base.weight32, base.weight, bias, a.weight, b.weight, float(layer.scaling[name])
