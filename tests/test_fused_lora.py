@@ -61,8 +61,10 @@ def test_the_fused_layer_steps_aside_where_peft_does_more(tiny_model):
     engine = _engine(tiny_model, "float32")
     layer = engine.model.get_output_embeddings()
     assert fused_lora._plan(layer) is not None
-    layer.lora_dropout["student"] = torch.nn.Dropout(0.1)
-    assert fused_lora._plan(layer) is None  # dropout: peft's path
+    layer.lora_dropout["student"] = torch.nn.Dropout(0.1).eval()
+    assert fused_lora._plan(layer) is not None  # eval mode: dropout passes x through
+    layer.lora_dropout["student"].train()
+    assert fused_lora._plan(layer) is None  # dropout that drops: peft's path
     layer.lora_dropout["student"] = torch.nn.Identity()
     layer.base_layer.weight.requires_grad_(True)
     assert fused_lora._plan(layer) is None  # a trained base weight: peft's autograd
