@@ -228,3 +228,44 @@ def test_restore_route_checks_the_upload_and_writes_nothing_on_refusal(server, z
     assert httpx.put(route, content=whole, headers=key).status_code == 409  # no silent overwrite
     again = httpx.put(route, content=whole, headers=key, params={"overwrite": "true"})
     assert again.status_code == 200
+
+
+def test_merging_an_adapted_tied_output_layer_leaves_the_input_embedding_alone(
+    tiny_model, tmp_path
+):
+    """With tied embeddings (SmolLM2) the output layer and the input embedding are one matrix,
+    and peft merged the output layer's LoRA into it: the merged model then embedded tokens with
+    the output layer's update too, unlike the model that was trained. The merge unties it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from rlcli.client.export import merge
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config)
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
+    folder = tmp_path / "tied"
+    base.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(folder)
+    targets = ["lm_head", "q_proj"]
+    trained = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(folder), LoraConfig(r=4, target_modules=targets)
+    )
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    trained.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+
+    merge(tmp_path / "adapter", str(folder), tmp_path / "merged", lambda *_: None, False)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    embedding = merged.get_input_embeddings().weight
+    torch.testing.assert_close(embedding, base.get_input_embeddings().weight)
+    assert merged.get_output_embeddings().weight is not embedding
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)

@@ -155,12 +155,46 @@ def merge(adapter: Path, base_model: str, out: Path, say: Say, as_saved: bool = 
             "--base-model with a local copy or its hub id"
         ) from None
     say("merging the adapter ...")
+    if _adapts_output_layer(adapter):
+        _untie_output_layer(model)
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     if as_saved and isinstance(saved_dtype, torch.dtype) and saved_dtype != torch.float32:
         merged = merged.to(saved_dtype)
         merged.config.dtype = saved_dtype
     merged.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+
+
+def _adapts_output_layer(adapter: Path) -> bool:
+    """Whether the adapter's LoRA targets the output layer (``lm_head``: the cookbook's
+    ``train_unembed`` default), from its ``adapter_config.json``."""
+    try:
+        targets = json.loads((adapter / "adapter_config.json").read_text()).get("target_modules")
+    except (OSError, ValueError):
+        return False
+    if isinstance(targets, str):  # a regular expression over module names
+        return "lm_head" in targets
+    return "lm_head" in (targets or [])
+
+
+def _untie_output_layer(model) -> bool:
+    """Give a tied output layer its own weight (and the config ``tie_word_embeddings=False``).
+
+    Why: with tied embeddings (SmolLM2, Qwen's small models) the output layer and the input
+    embedding are one matrix, and peft merges the output layer's LoRA into it: the merged
+    model would then embed tokens with the output layer's update too, which the trained model
+    never did. Untied, the merge changes the output layer alone. Returns whether it untied."""
+    import torch
+
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None or head.weight is not embed.weight:
+        return False
+    head.weight = torch.nn.Parameter(head.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    text_config = getattr(model.config, "get_text_config", lambda: None)()
+    if text_config is not None:
+        text_config.tie_word_embeddings = False
+    return True
 
 
 # ---- the whole export ----------------------------------------------------------------------
