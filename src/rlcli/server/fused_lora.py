@@ -80,13 +80,15 @@ def _plan(layer) -> tuple | None:
     base = layer.base_layer
     if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
         return None  # the product's backward gives the base layer no gradient
+    float32 = type(base) is torch.nn.Linear and base.weight.dtype == torch.float32
     if type(base) is Float32Head:
         bias = None if base.bias is None else base.bias.float()
-        return base.weight32, base.weight, bias, a.weight, b.weight, float(layer.scaling[name])
-    float32 = type(base) is torch.nn.Linear and base.weight.dtype == torch.float32
-    if float32 or type(base) is Bf16Linear:
-        return base.weight, base.weight, base.bias, a.weight, b.weight, float(layer.scaling[name])
-    return None
+        weights = (base.weight32, base.weight, bias)
+    elif float32 or type(base) is Bf16Linear:
+        weights = (base.weight, base.weight, base.bias)
+    else:
+        return None
+    return (*weights, a.weight, b.weight, float(layer.scaling[name]))
 
 
 class _LoraProduct(torch.autograd.Function):
