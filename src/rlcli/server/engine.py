@@ -31,6 +31,7 @@ from rlcli.server import (
     logprobs,
     losses,
     precision,
+    shared_prefix,
 )
 from rlcli.server.errors import UserError
 from rlcli.server.samplers import SamplerCache
@@ -265,6 +266,14 @@ class Engine:
         eos = [*(eos if isinstance(eos, list) else [eos]), end_of_turn_id(self.tokenizer)]
         self.eos_ids = sorted({int(e) for e in eos if e is not None})
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+        # Rows that begin alike run their common part once (shared_prefix.py): not where
+        # layers are checkpointed (transformers drops a checkpointed layer's cache), and only
+        # where the two-pass forward gives the plain forward's logprobs on this model.
+        self.share_prefixes = (
+            self._split_head
+            and self._checkpoint_above >= self.microbatch_tokens
+            and self._prefix_sharing_matches()
+        )
         self.samplers = SamplerCache(
             self._add_sampler_adapter,
             self._delete_adapter,
@@ -337,6 +346,32 @@ class Engine:
             return False
         return bool(torch.allclose(split, whole, atol=1e-3, rtol=1e-2))
 
+    @torch.no_grad()
+    def _prefix_sharing_matches(self) -> bool:
+        """Whether ``_shared_logprobs`` gives the plain forward's logprobs here (a model or
+        transformers version that handles a cache or a 4D mask otherwise falls back)."""
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, self.vocab_size, (3, 12), generator=gen).to(self.device)
+        tokens[1, :8] = tokens[0, :8]
+        lengths = torch.tensor([12, 10, 9], device=self.device)
+        targets = tokens.roll(-1, 1)
+        mask = torch.arange(12, device=self.device) < lengths[:, None]
+        try:
+            shared = self._shared_logprobs(tokens, lengths, targets, [(0, 7), (0, 7), (-1, 0)])
+        except Exception as e:  # noqa: BLE001 - any failure means: the plain forward only
+            log.warning("shared prefixes off: %s", e)
+            return False
+        plain = logprobs.target_logprobs(
+            self._hidden_states(tokens)[mask], self.head_logits, targets[mask], None, False
+        )
+        # Loose enough for bf16 kernels that differ by shape (SmolLM2 on random tokens: up to
+        # 0.14 on logprobs of -10 to -20, between rows run alone and together); a wrong mask
+        # or position is far outside it.
+        ok = bool(torch.allclose(shared, plain, atol=0.05, rtol=0.02))
+        if not ok:
+            log.warning("shared prefixes off: the two-pass forward differs from the plain one")
+        return ok
+
     # ---- adapters -----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         return {
@@ -350,6 +385,7 @@ class Engine:
             "grad_checkpointing": {0: "on", math.inf: "off"}.get(
                 self._checkpoint_above, f"above {self.microbatch_tokens} tokens"
             ),
+            "shared_prefixes": self.share_prefixes,
             "losses": sorted(losses.LOSSES),
             "eos_ids": list(self.eos_ids),  # what ends a sample (EOS, end of turn)
             "decode_step": self.decode_path,
@@ -519,9 +555,9 @@ class Engine:
         mismatch: dict[str, float] = {}  # sampler vs training logprobs (losses.sampler_mismatch)
         staged = contextlib.nullcontext() if forward_only else finite.staged_gradients(params)
         with staged, torch.set_grad_enabled(not forward_only):
-            for idx in _microbatches([len(d.tokens) for d in data], self.microbatch_tokens):
+            for idx, shared in self._plan(data):
                 batch = [data[i] for i in idx]
-                logp, mask, inputs = self._target_logprobs(module, batch, spec.inputs)
+                logp, mask, inputs = self._target_logprobs(module, batch, spec.inputs, shared)
                 result = spec.fn(logp, inputs, mask, config)
                 loss = float(result.loss.detach())
                 finite.check_finite(loss, "the loss")
@@ -554,8 +590,34 @@ class Engine:
                 adapter.mismatch[key] = merge(adapter.mismatch.get(key, 0.0), value)
         return outputs, metrics
 
+    def _plan(self, data: list[DatumArrays]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Micro-batches: datum indices, and per row its group's slot in the prefix pass and
+        where its own part starts ((-1, 0): none; see ``shared_prefix``)."""
+        lengths = [len(d.tokens) for d in data]
+        alone = [(-1, 0)]
+        if self.share_prefixes and all(d.inputs["target_tokens"].ndim == 1 for d in data):
+            groups = shared_prefix.find_groups(
+                [d.tokens for d in data], [d.inputs["target_tokens"] for d in data]
+            )
+            if any(g.shared for g in groups):
+                plan = []
+                for batch in shared_prefix.microbatches(groups, lengths, self.microbatch_tokens):
+                    idx, spec, slot = [], [], 0
+                    for group in batch:
+                        place = (slot, group.shared) if group.shared else (-1, 0)
+                        idx.extend(group.rows)
+                        spec.extend([place] * len(group.rows))
+                        slot += 1 if group.shared else 0
+                    plan.append((idx, spec))
+                return plan
+        return [(idx, alone * len(idx)) for idx in _microbatches(lengths, self.microbatch_tokens)]
+
     def _target_logprobs(
-        self, module: torch.nn.Module, batch: list[DatumArrays], input_names: tuple[str, ...]
+        self,
+        module: torch.nn.Module,
+        batch: list[DatumArrays],
+        input_names: tuple[str, ...],
+        shared: list[tuple[int, int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Right-padded batch -> log p(target) [B, T] (or [B, T, K] for K targets per
         position), validity mask [B, T], loss inputs shaped like the targets. An optional
@@ -563,7 +625,9 @@ class Engine:
 
         Only the valid positions' logprobs are computed, from the final hidden states through
         the output layer a chunk at a time (``logprobs.py``): no [tokens, vocab] float32
-        logits for the whole micro-batch; the decoder layers are checkpointed if enabled."""
+        logits for the whole micro-batch; the decoder layers are checkpointed if enabled.
+        ``shared``: per row, its group's slot and shared length (``_plan``); rows in groups
+        run their shared part once (``_shared_logprobs``)."""
         width = max(len(d.tokens) for d in batch)
         k_shape = batch[0].inputs["target_tokens"].shape[1:]  # () or (K,)
         tokens = torch.zeros(len(batch), width, dtype=torch.long)
@@ -585,6 +649,11 @@ class Engine:
         tokens, mask, targets = tokens.to(dev), mask.to(dev), targets.to(dev)
         inputs = {k: v.to(dev) for k, v in inputs.items()}
         targets = targets.flatten(2) if targets.dim() > 2 else targets
+        if shared is not None and any(slot >= 0 for slot, _ in shared):
+            lengths = mask.sum(1)
+            picked = self._shared_logprobs(tokens, lengths, targets, shared)
+            logp = torch.zeros(targets.shape, dtype=torch.float32, device=dev)
+            return logp.index_put((mask,), picked), mask, inputs
         with self._checkpointing(tokens.numel()) as recompute:
             if self._split_head:
                 hidden, head = self._hidden_states(tokens), self.head_logits
@@ -594,6 +663,78 @@ class Engine:
             picked = logprobs.target_logprobs(hidden[mask], head, targets[mask], None, recompute)
         logp = torch.zeros(targets.shape, dtype=torch.float32, device=dev)
         return logp.index_put((mask,), picked), mask, inputs
+
+    def _shared_logprobs(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        targets: torch.Tensor,
+        spec: list[tuple[int, int]],
+    ) -> torch.Tensor:
+        """log p(target) at each row's positions (row-major, as ``tokens[mask]``), with each
+        group's shared part run once (``shared_prefix``).
+
+        Two decoder calls: the groups' shared parts, right-padded, keeping their keys and
+        values; then every row's own part at its true positions, attending to its group's
+        keys and values (a 4D mask: its own group's shared positions, then causal). A row
+        with no group (slot -1) runs whole in the second call. The output layer runs once per
+        distinct position: a group's shared positions have the same targets."""
+        dev = tokens.device
+        rows = tokens.shape[0]
+        first: dict[int, int] = {}  # slot -> its first row, whose tokens the pass runs
+        for row, (slot, _) in enumerate(spec):
+            if slot >= 0:
+                first.setdefault(slot, row)
+        shared = torch.tensor([spec[first[s]][1] for s in range(len(first))], device=dev)
+        width = int(shared.max())
+        prefix_rows = torch.tensor([first[s] for s in range(len(first))], device=dev)
+        prefix_valid = torch.arange(width, device=dev) < shared[:, None]
+        prefix = tokens[prefix_rows, :width].masked_fill(~prefix_valid, self.pad_id)
+        decoder = self.model.get_decoder()
+        out = decoder(input_ids=prefix, use_cache=True)
+        cache = out.past_key_values
+        starts = torch.tensor([start for _, start in spec], device=dev)
+        own = lengths - starts
+        own_width = int(own.max())
+        positions = starts[:, None] + torch.arange(own_width, device=dev)  # [rows, own]
+        own_valid = torch.arange(own_width, device=dev) < own[:, None]
+        last = tokens.shape[1] - 1
+        suffix = tokens.gather(1, positions.clamp(max=last)).masked_fill(~own_valid, self.pad_id)
+        cache.batch_select_indices(torch.tensor([max(s, 0) for s, _ in spec], device=dev))
+        sees_prefix = torch.arange(width, device=dev) < starts[:, None]  # [rows, width]
+        causal = torch.ones(own_width, own_width, dtype=torch.bool, device=dev).tril()
+        attend = torch.cat(
+            [sees_prefix[:, None].expand(-1, own_width, -1), causal.expand(rows, -1, -1)], -1
+        )[:, None]
+        own_hidden = decoder(
+            input_ids=suffix,
+            past_key_values=cache,
+            attention_mask=attend,
+            position_ids=positions,
+            use_cache=True,
+        ).last_hidden_state
+        prefix_targets = targets[prefix_rows, :width][prefix_valid]
+        own_targets = targets.gather(1, positions.clamp(max=last))[own_valid]
+        picked = logprobs.target_logprobs(
+            torch.cat([out.last_hidden_state[prefix_valid], own_hidden[own_valid]]),
+            self.head_logits,
+            torch.cat([prefix_targets, own_targets]),
+            None,
+            False,
+        )
+        # Where each row's positions are in ``picked``: a shared position at its group's
+        # entry, an own one at its row's.
+        n_prefix = int(prefix_valid.sum())
+        prefix_at = torch.zeros(prefix_valid.shape, dtype=torch.long, device=dev)
+        prefix_at[prefix_valid] = torch.arange(n_prefix, device=dev)
+        own_at = torch.zeros(own_valid.shape, dtype=torch.long, device=dev)
+        own_at[own_valid] = n_prefix + torch.arange(int(own_valid.sum()), device=dev)
+        t = torch.arange(tokens.shape[1], device=dev)[None]
+        slots = torch.tensor([max(s, 0) for s, _ in spec], device=dev)[:, None]
+        from_prefix = prefix_at[slots, t.clamp(max=width - 1)]
+        from_own = own_at.gather(1, (t - starts[:, None]).clamp(0, own_width - 1))
+        at = torch.where(t < starts[:, None], from_prefix, from_own)
+        return picked[at[t < lengths[:, None]]]
 
     def optim_step(
         self,
