@@ -119,6 +119,28 @@ def test_finished_futures_are_pruned_after_their_keep_time():
     loop.close()
 
 
+def test_a_result_not_fetched_yet_outlives_the_count_limit():
+    """Under load, many results land while a slow client has not fetched its own: the count
+    limit drops only fetched ones, so the slow client still gets its answer (it got 404)."""
+    loop = asyncio.new_event_loop()
+    store = FutureStore(keep_done=2)
+    store.bind(loop)
+    slow = store.create(object)
+    store._resolve(slow, "ok", {"mine": 1})
+    fast = []
+    for _ in range(5):  # five more results land and are fetched
+        request_id = store.create(object)
+        store._resolve(request_id, "ok", {})
+        assert loop.run_until_complete(store.wait(request_id, 0.1)).status == "ok"
+        fast.append(request_id)
+    assert [store.known(i) for i in fast] == [False, False, False, True, True]
+    assert loop.run_until_complete(store.wait(slow, 0.1)).value == {"mine": 1}
+    assert loop.run_until_complete(store.wait(slow, 0.1)).value == {"mine": 1}  # asked again
+    with pytest.raises(KeyError):
+        loop.run_until_complete(store.wait("never-made", 0.1))
+    loop.close()
+
+
 def test_stop_strings_decode_a_bounded_tail():
     decoded_lengths = []
 

@@ -3,8 +3,12 @@
 The HTTP process owns a ``FutureStore``; the engine's replies arrive from a reader thread and
 are handed to the event loop (``call_soon_threadsafe``), the only thread that touches the
 store. ``wait`` long-polls, so an idle client makes one request per poll window instead of
-spinning, and a finished result is answered the moment it lands. Finished outcomes are kept
-for ``keep_s`` seconds (a client may poll again after a dropped response), at most ``keep_done``.
+spinning, and a finished result is answered the moment it lands. A finished outcome is kept
+for ``keep_s`` seconds, so a client may poll again after a dropped response. Only outcomes
+already fetched count toward ``keep_done``: under load (clients pipelining hundreds of small
+steps a second) a count limit on every outcome dropped a result its slower client had not
+fetched yet, which it then asked for and got 404 ("every request gets an answer"). Outcomes
+never fetched are bounded by ``keep_s`` and, against a client that never asks, ``keep_unfetched``.
 A streaming request also has a listener: an ``asyncio.Queue`` that gets the engine's partial
 results as they arrive, then the ``Outcome``.
 """
@@ -28,12 +32,16 @@ class Outcome:
 
 
 class FutureStore:
-    def __init__(self, keep_done: int = 4096, keep_s: float = 600.0) -> None:
+    def __init__(
+        self, keep_done: int = 4096, keep_s: float = 600.0, keep_unfetched: int = 65536
+    ) -> None:
         self._pending: dict[str, tuple[asyncio.Future, type]] = {}
         self._listeners: dict[str, asyncio.Queue] = {}
-        self._done: OrderedDict[str, Outcome] = OrderedDict()
+        self._done: OrderedDict[str, Outcome] = OrderedDict()  # finished, not fetched yet
+        self._fetched: OrderedDict[str, Outcome] = OrderedDict()  # finished and fetched
         self._keep_done = keep_done
         self._keep_s = keep_s
+        self._keep_unfetched = keep_unfetched
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -82,10 +90,9 @@ class FutureStore:
 
     def _prune(self) -> None:
         cutoff = time.monotonic() - self._keep_s
-        while self._done and (
-            len(self._done) > self._keep_done or next(iter(self._done.values())).finished < cutoff
-        ):
-            self._done.popitem(last=False)
+        for kept, most in ((self._done, self._keep_unfetched), (self._fetched, self._keep_done)):
+            while kept and (len(kept) > most or next(iter(kept.values())).finished < cutoff):
+                kept.popitem(last=False)
 
     def fail_all(self, message: str) -> None:
         """Thread-safe: the engine died, every pending request fails with a server error."""
@@ -97,17 +104,23 @@ class FutureStore:
             self._resolve(request_id, "server", message)
 
     def known(self, request_id: str) -> bool:
-        return request_id in self._pending or request_id in self._done
+        return any(request_id in d for d in (self._pending, self._done, self._fetched))
 
     async def wait(self, request_id: str, timeout: float) -> Outcome | None:
-        """The outcome, waiting up to ``timeout`` seconds; ``None`` if still running."""
-        if request_id in self._done:
-            return self._done[request_id]
-        future, _ = self._pending[request_id]
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
-        except TimeoutError:
-            return None
+        """The outcome, waiting up to ``timeout`` seconds; ``None`` if still running;
+        KeyError if the request is not known (never made, or its outcome has expired)."""
+        entry = self._pending.get(request_id)
+        if entry is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(entry[0]), timeout)
+            except TimeoutError:
+                return None
+        outcome = self._done.pop(request_id, None)
+        if outcome is None:
+            return self._fetched[request_id]
+        self._fetched[request_id] = outcome
+        self._prune()
+        return outcome
 
     @property
     def pending_count(self) -> int:

@@ -122,9 +122,10 @@ async def get_session(session_id: str, state: State):
 
 @router.post("/retrieve_future")
 async def retrieve_future(body: RetrieveFuture, request: Request, state: State):
-    if not state.futures.known(body.request_id):
-        raise HTTPException(404, f"request_id: unknown request {body.request_id!r}")
-    outcome = await state.futures.wait(body.request_id, POLL_SECONDS)
+    try:
+        outcome = await state.futures.wait(body.request_id, POLL_SECONDS)
+    except KeyError:
+        raise HTTPException(404, f"request_id: unknown request {body.request_id!r}") from None
     if outcome is None:
         return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
     if outcome.status != "ok":
