@@ -266,11 +266,14 @@ class Engine:
         eos = [*(eos if isinstance(eos, list) else [eos]), end_of_turn_id(self.tokenizer)]
         self.eos_ids = sorted({int(e) for e in eos if e is not None})
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
-        # Rows that begin alike run their common part once (shared_prefix.py): not where
-        # layers are checkpointed (transformers drops a checkpointed layer's cache), and only
-        # where the two-pass forward gives the plain forward's logprobs on this model.
+        # Rows that begin alike run their common part once (shared_prefix.py): for the models
+        # our decode step knows (full attention everywhere: its 4D mask has no sliding
+        # window), not where layers are checkpointed (transformers drops a checkpointed
+        # layer's cache), and only where the two-pass forward gives the plain forward's
+        # logprobs on this model.
         self.share_prefixes = (
-            self._split_head
+            why is None
+            and self._split_head
             and self._checkpoint_above >= self.microbatch_tokens
             and self._prefix_sharing_matches()
         )
@@ -700,7 +703,8 @@ class Engine:
         own_valid = torch.arange(own_width, device=dev) < own[:, None]
         last = tokens.shape[1] - 1
         suffix = tokens.gather(1, positions.clamp(max=last)).masked_fill(~own_valid, self.pad_id)
-        cache.batch_select_indices(torch.tensor([max(s, 0) for s, _ in spec], device=dev))
+        slots = torch.tensor([max(s, 0) for s, _ in spec], device=dev)  # (a lone row: any)
+        cache.batch_select_indices(slots)
         sees_prefix = torch.arange(width, device=dev) < starts[:, None]  # [rows, width]
         causal = torch.ones(own_width, own_width, dtype=torch.bool, device=dev).tril()
         attend = torch.cat(
@@ -730,8 +734,7 @@ class Engine:
         own_at = torch.zeros(own_valid.shape, dtype=torch.long, device=dev)
         own_at[own_valid] = n_prefix + torch.arange(int(own_valid.sum()), device=dev)
         t = torch.arange(tokens.shape[1], device=dev)[None]
-        slots = torch.tensor([max(s, 0) for s, _ in spec], device=dev)[:, None]
-        from_prefix = prefix_at[slots, t.clamp(max=width - 1)]
+        from_prefix = prefix_at[slots[:, None], t.clamp(max=width - 1)]
         from_own = own_at.gather(1, (t - starts[:, None]).clamp(0, own_width - 1))
         at = torch.where(t < starts[:, None], from_prefix, from_own)
         return picked[at[t < lengths[:, None]]]
