@@ -4,6 +4,9 @@ logprobs, loss and gradients."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -103,3 +106,17 @@ def test_the_two_pass_forward_gives_the_plain_logprobs_loss_and_gradients(tiny_m
     assert shared_run[1]["loss:sum"] == pytest.approx(plain[1]["loss:sum"], abs=1e-5)
     error = (shared_run[2] - plain[2]).norm() / plain[2].norm()
     assert error < 1e-5, error
+
+
+def test_a_model_with_sliding_window_layers_keeps_the_plain_pass(tiny_model, tmp_path):
+    """The 4D mask knows no sliding window, and a short start-up probe would not see one."""
+    folder = tmp_path / "windowed"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    config.pop("layer_types", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    engine = Engine(str(folder), device="cpu", dtype="float32", microbatch_tokens=4096)
+    assert not engine.share_prefixes
+    data = _rl_batch(engine.vocab_size)
+    assert all(start == 0 for _, spec in engine._plan(data) for _, start in spec)
