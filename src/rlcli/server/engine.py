@@ -596,24 +596,23 @@ class Engine:
     def _plan(self, data: list[DatumArrays]) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """Micro-batches: datum indices, and per row its group's slot in the prefix pass and
         where its own part starts ((-1, 0): none; see ``shared_prefix``)."""
-        lengths = [len(d.tokens) for d in data]
-        alone = [(-1, 0)]
         if self.share_prefixes and all(d.inputs["target_tokens"].ndim == 1 for d in data):
             groups = shared_prefix.find_groups(
                 [d.tokens for d in data], [d.inputs["target_tokens"] for d in data]
             )
-            if any(g.shared for g in groups):
-                plan = []
-                for batch in shared_prefix.microbatches(groups, lengths, self.microbatch_tokens):
-                    idx, spec, slot = [], [], 0
-                    for group in batch:
-                        place = (slot, group.shared) if group.shared else (-1, 0)
-                        idx.extend(group.rows)
-                        spec.extend([place] * len(group.rows))
-                        slot += 1 if group.shared else 0
-                    plan.append((idx, spec))
-                return plan
-        return [(idx, alone * len(idx)) for idx in _microbatches(lengths, self.microbatch_tokens)]
+        else:
+            groups = [shared_prefix.Group((i,), 0) for i in range(len(data))]
+        lengths = [len(d.tokens) for d in data]
+        plan = []
+        for batch in shared_prefix.microbatches(groups, lengths, self.microbatch_tokens):
+            idx, spec, slot = [], [], 0
+            for group in batch:
+                place = (slot, group.shared) if group.shared else (-1, 0)
+                idx.extend(group.rows)
+                spec.extend([place] * len(group.rows))
+                slot += 1 if group.shared else 0
+            plan.append((idx, spec))
+        return plan
 
     def _target_logprobs(
         self,
@@ -653,17 +652,17 @@ class Engine:
         inputs = {k: v.to(dev) for k, v in inputs.items()}
         targets = targets.flatten(2) if targets.dim() > 2 else targets
         if shared is not None and any(slot >= 0 for slot, _ in shared):
-            lengths = mask.sum(1)
-            picked = self._shared_logprobs(tokens, lengths, targets, shared)
-            logp = torch.zeros(targets.shape, dtype=torch.float32, device=dev)
-            return logp.index_put((mask,), picked), mask, inputs
-        with self._checkpointing(tokens.numel()) as recompute:
-            if self._split_head:
-                hidden, head = self._hidden_states(tokens), self.head_logits
-            else:
-                hidden = module(input_ids=tokens).logits  # right-padded: see _hidden_states
-                head = _identity
-            picked = logprobs.target_logprobs(hidden[mask], head, targets[mask], None, recompute)
+            picked = self._shared_logprobs(tokens, mask.sum(1), targets, shared)
+        else:
+            with self._checkpointing(tokens.numel()) as recompute:
+                if self._split_head:
+                    hidden, head = self._hidden_states(tokens), self.head_logits
+                else:
+                    hidden = module(input_ids=tokens).logits  # right-padded: _hidden_states
+                    head = _identity
+                picked = logprobs.target_logprobs(
+                    hidden[mask], head, targets[mask], None, recompute
+                )
         logp = torch.zeros(targets.shape, dtype=torch.float32, device=dev)
         return logp.index_put((mask,), picked), mask, inputs
 
@@ -1047,19 +1046,3 @@ def _row_chunks(jobs: list[SampleJob], indices: list[int]) -> list[list[int]]:
         chunks[-1].append(i)
         rows += job.num_samples
     return chunks
-
-
-def _microbatches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Group datum indices so each group's padded size (rows x longest) stays within budget."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
-    groups: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        width = lengths[current[0]] if current else lengths[i]
-        if current and (len(current) + 1) * width > budget:
-            groups.append(current)
-            current = []
-        current.append(i)
-    if current:
-        groups.append(current)
-    return groups

@@ -10,7 +10,8 @@ part after it, attending to its group's keys and values (``Engine._shared_logpro
 backward sums each row's gradient into the shared part, as the plain pass does per row.
 
 This module only plans: which rows form groups (``find_groups``) and how groups make
-micro-batches within the token budget (``microbatches``)."""
+micro-batches within the token budget (``microbatches``, which packs every forward_backward:
+without sharing, each row is a group of one)."""
 
 from __future__ import annotations
 
