@@ -255,6 +255,10 @@ def throughput(model_dir: str, args, dtype_name: str, bandwidth: list[dict]) -> 
                 "kv_bytes_per_step_mean": kv_per_token * batch * (len(ids) + (n + 1) / 2),
             }
         status = _receipt.server_status(record.base_url)
+        # Before the server stops: a client left open keeps heartbeating a session whose
+        # server is gone, and fills the next precision's log with connection errors.
+        if hasattr(service, "close"):  # tinker >= 0.34
+            service.close("success").result()
     return {
         "dtype": dtype_name,
         "prompt_tokens": len(ids),
