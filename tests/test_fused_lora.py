@@ -54,7 +54,13 @@ def test_every_lora_layer_gives_pefts_output_and_gradients(tiny_model, dtype):
         assert got[1].dtype == ref[1].dtype == x_dtype, where
         for mine, peft in zip(got, ref, strict=True):
             tol = 1e-2 if mine.dtype == torch.bfloat16 else 1e-5  # bf16 grads: one rounding
-            torch.testing.assert_close(mine, peft, atol=tol, rtol=tol, msg=where)
+            # Relative to the tensor's scale: A's gradient sums 1024 outputs x 10 tokens, and
+            # the two sides sum in another order (CPUs block the matmuls differently: on an
+            # AMD EPYC it differs by 2.2e-5 in entries of up to 23.6)
+            scale = max(1.0, peft.abs().max().item())
+            torch.testing.assert_close(
+                mine, peft, atol=tol * scale, rtol=tol, msg=lambda m, w=where: f"{w}: {m}"
+            )
 
 
 def test_the_fused_layer_steps_aside_where_peft_does_more(tiny_model):
