@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI, cli, recipe_children, wait_for_steps
+from conftest import RLCLI, cli, recipe_children
 
 EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -68,38 +68,68 @@ def wait_until(predicate, timeout=60.0, what="the condition"):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, server, tiny_model, chats, env, home) -> dict[str, Path]:
     """Four runs made at once: finished (in $RLCLI_HOME/runs), failed, interrupted (Ctrl-C),
-    killed (SIGKILL of rlcli); the last three under a --log-path outside the home."""
+    killed (SIGKILL of rlcli); the last three under a --log-path outside the home, each
+    stopped as soon as it has two steps."""
     outside = tmp_path_factory.mktemp("elsewhere")
     # 2560 steps: far from done when the signals come, however fast the machine is
     long = ("--batch-size", "2", "--epochs", "40", "--save-every", "50")
-    procs = {
-        "finished": subprocess.Popen(
-            train_argv(server, tiny_model, chats, None, "--batch-size", "8", "--max-steps", "3"),
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ),
-    }  # fmt: skip
+    argv = {"finished": train_argv(server, tiny_model, chats, None, "--batch-size", "8",
+                                   "--max-steps", "3")}  # fmt: skip
     dirs = {name: outside / name for name in ("failed", "interrupted", "killed")}
-    for name, run_dir in dirs.items():
-        procs[name] = subprocess.Popen(
-            train_argv(server, tiny_model, chats, run_dir, *long),
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+    argv |= {name: train_argv(server, tiny_model, chats, run_dir, *long)
+             for name, run_dir in dirs.items()}  # fmt: skip
+    # Output goes to files: a run prints a line a step, and one left running on a pipe nobody
+    # reads fills it (64 KiB, ~1,450 steps) and blocks before it can see its recipe die.
+    logs = {name: outside / f"{name}.out" for name in argv}
+    procs = {}
+    for name, args in argv.items():
+        with logs[name].open("w") as out:
+            procs[name] = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+    stop = {
+        "failed": lambda: os.kill(only(recipe_children(dirs["failed"])), signal.SIGKILL),
+        "interrupted": lambda: procs["interrupted"].send_signal(signal.SIGINT),
+        "killed": procs["killed"].kill,  # no handler runs: the record still says running
+    }  # failed: the recipe crashes, and rlcli reports a failed run
+
+    def tail(name: str) -> str:
+        return f"{name}: {logs[name].read_text()[-1500:]}"
+
     try:
-        for name, run_dir in dirs.items():
-            wait_for_steps(run_dir, 2, procs[name], timeout=180)
-        (child,) = recipe_children(dirs["failed"])
-        os.kill(child, signal.SIGKILL)  # the recipe crashes: rlcli reports a failed run
-        procs["interrupted"].send_signal(signal.SIGINT)
-        procs["killed"].kill()  # no handler runs: the record still says running
-        codes = {name: proc.wait(timeout=180) for name, proc in procs.items()}
+        deadline = time.monotonic() + 180
+        while stop:  # each one as soon as it has two steps: the runs may start far apart
+            for name in [n for n in stop if steps_logged(dirs[n]) >= 2]:
+                stop.pop(name)()
+            assert all(procs[n].poll() is None for n in stop), "a run ended before its signal"
+            assert time.monotonic() < deadline, f"no two steps in 180 s: {[*map(tail, stop)]}"
+            time.sleep(0.1)
+        codes = {}
+        for name, proc in procs.items():
+            try:
+                codes[name] = proc.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"still running after 180 s: {tail(name)}") from None
     finally:
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
-    assert codes == {"finished": 0, "failed": 1, "interrupted": 130, "killed": -9}, codes
+    assert codes == {"finished": 0, "failed": 1, "interrupted": 130, "killed": -9}, (
+        codes, [*map(tail, procs)]
+    )  # fmt: skip
     (finished,) = [p for p in (home / "runs").iterdir() if p.is_dir()]
     wait_until(lambda: not recipe_children(dirs["killed"]), 15, "the killed run's recipe to end")
     return {"finished": finished, **dirs}
+
+
+def steps_logged(run_dir: Path) -> int:
+    try:
+        return len((run_dir / "metrics.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def only(pids: list[int]) -> int:
+    (pid,) = pids
+    return pid
 
 
 @pytest.mark.slow
