@@ -81,7 +81,8 @@ def test_every_rl_step_reports_a_small_mismatch_where_sampler_and_trainer_agree(
     server = request.getfixturevalue("server" if dtype == "float32" else "bf16_server")
     service = tinker.ServiceClient(base_url=server.base_url, api_key="tml-dummy")
     trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=0)
-    sampler = trainer.save_weights_and_get_sampling_client()
+    trainer = trainer.result()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     data, sampled = _rl_datums(sampler, [5, 6, 7, 8], 6)
     fwd = trainer.forward_backward(data, "importance_sampling").result()
     m = fwd.metrics
@@ -113,7 +114,8 @@ def test_a_step_whose_sampled_tokens_were_certain_reports_zero_mismatch():
 
 def test_the_mismatch_metric_sees_sampler_logprobs_that_disagree(server, service, tiny_model):
     trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=0)
-    sampler = trainer.save_weights_and_get_sampling_client()
+    trainer = trainer.result()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     # one token of one datum: the sampler "said" a logprob 1.5 lower (ratio e^1.5 = 4.5)
     data, sampled = _rl_datums(sampler, [9, 10, 11], 4, shift=1.5)
     m = trainer.forward_backward(data, "importance_sampling").result().metrics

@@ -111,7 +111,8 @@ def test_sampler_checkpoint_survives_a_server_restart(home, restartable, tiny_mo
     assert [s.tokens for s in after.sequences] == [s.tokens for s in before.sequences]
     np.testing.assert_allclose(after.sequences[0].logprobs, before.sequences[0].logprobs, atol=1e-5)
     # The run and its checkpoint are still listed after the restart.
-    runs = again.create_rest_client().list_training_runs().result()
+    runs = tinker.RestClient(base_url=record.base_url, api_key="tml-dummy").list_training_runs()
+    runs = runs.result()
     assert trainer.model_id in [r.training_run_id for r in runs.training_runs]
 
 
@@ -195,7 +196,7 @@ def test_cli_deletes_a_checkpoint_and_unknown_paths_are_404(home, restartable, t
     trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
     path = trainer.save_state("doomed").result().path
     _tinker_cli(record.base_url, "checkpoint", "delete", "-y", path)
-    rest = service.create_rest_client()
+    rest = tinker.RestClient(base_url=record.base_url, api_key="tml-dummy")
     left = rest.list_checkpoints(trainer.model_id).result().checkpoints
     assert path not in [c.tinker_path for c in left]
     with pytest.raises(tinker.NotFoundError, match="no checkpoint at"):

@@ -384,7 +384,7 @@ def test_checkpoint_ttl_publish_and_unpublish(server, service, tiny_model):
     ).result()
     short = trainer.save_state("short", ttl_seconds=1).result().path
     kept = trainer.save_state("kept").result().path
-    rest = service.create_rest_client()
+    rest = tinker.RestClient(base_url=server.base_url, api_key="tml-dummy")
     rest.publish_checkpoint_from_tinker_path(kept).result()
     rest.publish_checkpoint_from_tinker_path(kept).result(timeout=30)  # idempotent, not a 409
     listed = rest.list_checkpoints(trainer.model_id).result().checkpoints
@@ -406,7 +406,7 @@ def test_runs_and_sessions_list_newest_first_with_paging(server, service, tiny_m
     newest = service.create_lora_training_client(
         base_model=str(tiny_model), rank=4, seed=14
     ).result()
-    rest = service.create_rest_client()
+    rest = tinker.RestClient(base_url=server.base_url, api_key="tml-dummy")
     runs = rest.list_training_runs(limit=2).result()
     assert runs.training_runs[0].training_run_id == newest.model_id
     assert len(runs.training_runs) <= 2

@@ -161,13 +161,17 @@ def test_renderer_names_are_read_from_the_cookbook():
         check_renderer("qwen3_instrct")
 
 
-def test_rollouts_sample_through_sample_async():
-    """rl.seed_sampling seeds SamplingClient.sample_async: the cookbook must still call it."""
+def test_rollouts_sample_through_sample():
+    """rl.seed_sampling seeds SamplingClient.sample: the cookbook's completer must still sample
+    through the SDK's sample_async, and that through sample (or call sample itself)."""
     import inspect
 
+    import tinker
     from tinker_cookbook import completers
 
-    assert "sampling_client.sample_async(" in inspect.getsource(completers.TinkerTokenCompleter)
+    completer = inspect.getsource(completers.TinkerTokenCompleter)
+    assert "sampling_client.sample_async(" in completer or "sampling_client.sample(" in completer
+    assert "self.sample(" in inspect.getsource(tinker.SamplingClient.sample_async)
 
 
 def test_seeded_sampling_fills_distinct_reproducible_seeds(monkeypatch):
@@ -179,19 +183,24 @@ def test_seeded_sampling_fills_distinct_reproducible_seeds(monkeypatch):
 
     sent = []
 
-    async def fake(self, prompt, num_samples, sampling_params, *args, **kwargs):
+    def fake(self, prompt, num_samples, sampling_params, *args, **kwargs):
         sent.append(sampling_params.seed)
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
 
-    monkeypatch.setattr(tinker.SamplingClient, "sample_async", fake)
+    monkeypatch.setattr(tinker.SamplingClient, "sample", fake)
 
     def draw(seed):
         sent.clear()
         rl.seed_sampling(seed)
         prompt = tinker.ModelInput.from_ints([1, 2, 3])
         params = tinker.SamplingParams(max_tokens=4)
-        for _ in range(3):
-            asyncio.run(tinker.SamplingClient.sample_async(None, prompt, 1, params))
-        tinker.SamplingClient.sample_async = fake
+        client = object.__new__(tinker.SamplingClient)  # no server: `sample` is the fake
+        for _ in range(3):  # the cookbook's call: the deprecated sample_async, through sample
+            with pytest.warns(FutureWarning, match="sample_async"):
+                asyncio.run(client.sample_async(prompt, 1, params))
+        tinker.SamplingClient.sample = fake
         return list(sent)
 
     first = draw(5)

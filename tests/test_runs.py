@@ -235,7 +235,7 @@ def test_detach_follow_cancel_and_resume(server, tiny_model, chats, env, tmp_pat
     assert checkpoint["batch"] == done  # the batch that comes next
     rows = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
     assert rows[-1] == checkpoint
-    rest = tinker.ServiceClient(base_url=server.base_url, api_key="tml-dummy").create_rest_client()
+    rest = tinker.RestClient(base_url=server.base_url, api_key="tml-dummy")
     for key in ("state_path", "sampler_path"):
         assert rest.get_weights_info_by_tinker_path(checkpoint[key]).result().base_model
 

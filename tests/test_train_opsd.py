@@ -169,13 +169,14 @@ def test_options_defaults_are_the_issues():
 
 
 class ScriptedTeacherClient:
-    """Stands in for a teacher sampling client's one call: logprob i of a sequence is
-    ``token / 1000`` (so positions are checkable), optionally one value short as SkyRL was."""
+    """Stands in for a teacher sampling client's one call (``compute_logprobs``, awaited): logprob
+    i of a sequence is ``token / 1000`` (so positions are checkable), optionally one value short
+    as SkyRL was."""
 
     def __init__(self, short: bool = False) -> None:
         self.short, self.seen = short, []
 
-    async def compute_logprobs_async(self, sequence):
+    async def compute_logprobs(self, sequence):
         tokens = sequence.to_ints()
         self.seen.append(tokens)
         values = [t / 1000 for t in tokens[1:]]
@@ -282,7 +283,7 @@ def test_the_hint_reaches_the_teacher_only(tmp_path, server, tiny_model, monkeyp
     monkeypatch.setattr(
         train_on_policy, "incorporate_kl_penalty", train_on_policy.incorporate_kl_penalty
     )
-    monkeypatch.setattr(tinker.SamplingClient, "sample_async", tinker.SamplingClient.sample_async)
+    monkeypatch.setattr(tinker.SamplingClient, "sample", tinker.SamplingClient.sample)
     sent = []
     original = tinker.SamplingClient._send_asample_request
 

@@ -5,7 +5,7 @@ The tasks are the environment's test problems for ``seed`` (a data split shuffle
 generated one drawn from its test stream), each turned into the same cookbook ``ProblemEnv``
 that ``train rl`` trains on: ``initial_observation()`` is the prompt, ``step(tokens)`` the
 reward, so training and evaluation grade identically. Every task's request is sent at once
-(at most ``concurrency`` in flight) through the tinker SDK's ``sample_async``, so the server
+(at most ``concurrency`` in flight) through the tinker SDK's ``sample``, so the server
 batches across tasks; each carries a seed derived from ``seed`` and the task's id, and
 temperature 0 is greedy. ``compare`` scores the base model and the checkpoint on the same
 tasks, one after the other (each side's time is its own).
@@ -263,10 +263,11 @@ class SeededClient:
         self.client, self.seed, self.calls = client, seed, 0
 
     async def sample_async(self, prompt, num_samples, sampling_params, **kwargs):
+        """What the cookbook's completer calls; the SDK's own ``sample`` does the work."""
         self.calls += 1
         seed = task_seed(self.seed, f"turn-{self.calls}")
         params = sampling_params.model_copy(update={"seed": seed})
-        return await self.client.sample_async(prompt, num_samples, params, **kwargs)
+        return await self.client.sample(prompt, num_samples, params, **kwargs)
 
 
 async def _tasks(env, problems, renderer) -> list[Task]:
@@ -345,7 +346,7 @@ async def _score(
         )
         async with gate:
             try:
-                response = await client.sample_async(task.prompt, 1, params)
+                response = await client.sample(task.prompt, 1, params)
             except Exception as e:
                 error = sample_chat.sample_error(side, e)
                 raise RlcliError(f"task {task.id}: {error}") from None

@@ -75,17 +75,18 @@ class Teacher:
         self.lengths = sorted({len(k) for k in hinted or {}}, reverse=True)
 
     async def compute_logprobs_async(self, sequence):
+        """What the recipe calls; the SDK's own ``compute_logprobs`` does the work."""
         import tinker
 
+        if isinstance(self.client, tinker.APIFuture):  # tinker 0.38: the recipe's client is
+            self.client = await self.client  # a future of it, deprecated as the client itself
         tokens = sequence.to_ints()
         if not self.hinted:
-            return align_prompt_logprobs(
-                await self.client.compute_logprobs_async(sequence), len(tokens)
-            )
+            return align_prompt_logprobs(await self.client.compute_logprobs(sequence), len(tokens))
         prompt_len, teacher_prompt = self._match(tokens)
         teacher_tokens = [*teacher_prompt, *tokens[prompt_len:]]
         scored = align_prompt_logprobs(
-            await self.client.compute_logprobs_async(tinker.ModelInput.from_ints(teacher_tokens)),
+            await self.client.compute_logprobs(tinker.ModelInput.from_ints(teacher_tokens)),
             len(teacher_tokens),
         )
         return [None, *[0.0] * (prompt_len - 1), *scored[len(teacher_prompt) :]]

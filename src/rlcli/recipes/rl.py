@@ -129,29 +129,30 @@ def seed_sampling(seed: int) -> None:
     prompt was sampled before, so a run samples the same tokens run to run.
 
     The cookbook's ``TinkerTokenCompleter`` sends no seed; this fills one into each
-    ``SamplingClient.sample_async`` call of this (child) process. Counting per prompt (not a
-    global counter) keeps the seeds independent of the order concurrent rollouts reach the
-    server, and of a resume (each prompt is seen once per pass). tests/test_options.py fails if
-    the cookbook stops sampling through ``sample_async``.
+    ``SamplingClient.sample`` call of this (child) process: the cookbook calls the deprecated
+    ``sample_async``, which tinker 0.38 runs through ``sample``, the method it keeps. Counting
+    per prompt (not a global counter) keeps the seeds independent of the order concurrent
+    rollouts reach the server, and of a resume (each prompt is seen once per pass).
+    tests/test_options.py fails if either path stops going through ``sample``.
     """
     import hashlib
     from collections import Counter
 
     import tinker
 
-    original = tinker.SamplingClient.sample_async
+    original = tinker.SamplingClient.sample
     seen: Counter = Counter()
 
-    async def sample_async(self, prompt, num_samples, sampling_params, *args, **kwargs):
+    def sample(self, prompt, num_samples, sampling_params, *args, **kwargs):
         if sampling_params.seed is None:
             tokens = tuple(prompt.to_ints())
             n, seen[tokens] = seen[tokens], seen[tokens] + 1
             digest = hashlib.sha256(repr((seed, tokens, n)).encode()).digest()
             derived = bounded_seed(int.from_bytes(digest[:4], "big"))  # SkyRL: int32
             sampling_params = sampling_params.model_copy(update={"seed": derived})
-        return await original(self, prompt, num_samples, sampling_params, *args, **kwargs)
+        return original(self, prompt, num_samples, sampling_params, *args, **kwargs)
 
-    tinker.SamplingClient.sample_async = sample_async  # type: ignore[method-assign]
+    tinker.SamplingClient.sample = sample  # type: ignore[method-assign]
 
 
 def policy_summary(config, last_values: dict[str, str]) -> dict:
