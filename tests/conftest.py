@@ -281,14 +281,19 @@ def train_zebra(base_url: str, model: str, name: str = "zebra") -> dict[str, str
     }
 
 
+def steps_logged(run_dir: Path) -> int:
+    """The rows in the run's ``metrics.jsonl`` so far (0 before the first step)."""
+    try:
+        return len((run_dir / "metrics.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
 def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout=120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            if len((run_dir / "metrics.jsonl").read_text().splitlines()) >= n:
-                return
-        except FileNotFoundError:
-            pass
+        if steps_logged(run_dir) >= n:
+            return
         assert proc.poll() is None, "the run ended before it was interrupted"
         time.sleep(0.2)
     raise AssertionError(f"no {n} steps within {timeout}s")

@@ -111,8 +111,8 @@ def test_sampler_checkpoint_survives_a_server_restart(home, restartable, tiny_mo
     assert [s.tokens for s in after.sequences] == [s.tokens for s in before.sequences]
     np.testing.assert_allclose(after.sequences[0].logprobs, before.sequences[0].logprobs, atol=1e-5)
     # The run and its checkpoint are still listed after the restart.
-    runs = tinker.RestClient(base_url=record.base_url, api_key="tml-dummy").list_training_runs()
-    runs = runs.result()
+    rest = tinker.RestClient(base_url=record.base_url, api_key="tml-dummy")
+    runs = rest.list_training_runs().result()
     assert trainer.model_id in [r.training_run_id for r in runs.training_runs]
 
 

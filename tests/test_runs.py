@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI, cli, recipe_children
+from conftest import RLCLI, cli, recipe_children, steps_logged
 
 EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -120,13 +120,6 @@ def runs(tmp_path_factory, server, tiny_model, chats, env, home) -> dict[str, Pa
     return {"finished": finished, **dirs}
 
 
-def steps_logged(run_dir: Path) -> int:
-    try:
-        return len((run_dir / "metrics.jsonl").read_text().splitlines())
-    except FileNotFoundError:
-        return 0
-
-
 def only(pids: list[int]) -> int:
     (pid,) = pids
     return pid
@@ -215,13 +208,7 @@ def test_detach_follow_cancel_and_resume(server, tiny_model, chats, env, tmp_pat
     )  # fmt: skip
     try:
         wait_until(
-            lambda: (
-                len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2
-                if (run_dir / "metrics.jsonl").exists()
-                else False
-            ),
-            timeout=120,
-            what="two steps of the detached run",
+            lambda: steps_logged(run_dir) >= 2, timeout=120, what="two steps of the detached run"
         )
         cancelled = as_json(rlcli(env, "runs", "cancel", "detached", "--json"))
         out, err = follow.communicate(timeout=60)
