@@ -112,7 +112,11 @@ def test_unknown_flag_and_backend_are_refused(home, tiny_model):
     result = quick(home, "serve", "start", "--base-model", str(tiny_model), "--backend", "tpu")
     assert result.returncode == 1 and "--backend tpu: unknown backend" in result.stderr
     result = quick(home, "serve", "start", "--bogus")
-    assert result.returncode == 2 and "No such option" in result.stderr
+    assert result.returncode == 2 and result.stderr.count("\n") == 1  # one line, no usage box
+    assert "rlcli serve start: No such option: --bogus" in result.stderr
+    result = quick(home, "serve", "strat")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "rlcli serve: No such command 'strat'. Did you mean 'start', 'status'?" in result.stderr
     result = quick(
         home, "serve", "start", "--base-model", str(tiny_model), "--backend", "jax", "--no-compile"
     )

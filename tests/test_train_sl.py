@@ -190,7 +190,13 @@ def test_bad_flags_are_refused(tmp_path, tiny_model, chat_file):
     result = quick("train", "sl", "--dataset", str(tmp_path / "nope"), "--model", "x/y")
     assert result.returncode == 1 and "no such file" in result.stderr
     result = quick(*base, "--frobnicate")
-    assert result.returncode == 2 and "No such option" in result.stderr
+    assert result.returncode == 2
+    assert result.stderr == (
+        "error: rlcli train sl: No such option: --frobnicate (see 'rlcli train sl --help')\n"
+    )
+    result = quick(*base, "--batch-size", "many")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: rlcli train sl: Invalid value for '--batch-size'")
 
 
 def test_a_wrong_api_key_is_one_line_before_the_run_folder(

@@ -2,8 +2,10 @@
 
 Heavy imports (torch, transformers, tinker) happen inside commands, so ``rlcli --help`` is fast.
 Known errors (``RlcliError``) become one line on stderr and their exit code (1, or 128 + the
-signal that stopped a run); Ctrl-C anywhere else exits 130; a closed output pipe
-(``rlcli ... | head``) ends quietly with 141, as a shell reports SIGPIPE.
+signal that stopped a run); so do usage errors (an unknown option or command, a missing or
+malformed value: exit 2), which click would print as a usage block and typer as a box; Ctrl-C
+anywhere else exits 130; a closed output pipe (``rlcli ... | head``) ends quietly with 141, as a
+shell reports SIGPIPE.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from rlcli.cli import (
     train,
 )
 from rlcli.errors import Cancelled, RlcliError
+
+try:  # typer 0.2x parses with its own copy of click
+    from typer._click import exceptions as click_errors
+except ImportError:  # older typer: click itself
+    from click import exceptions as click_errors
 
 app = typer.Typer(
     name="rlcli",
@@ -94,9 +101,29 @@ def _quiet_exit(code: int) -> None:
     sys.exit(code)
 
 
+def usage_line(error: click_errors.ClickException) -> str:
+    """One line for a usage error: which command, what was wrong, where to look."""
+    message = " ".join(error.format_message().split())
+    ctx = getattr(error, "ctx", None)
+    if ctx is None:
+        return f"error: {message}"
+    return f"error: {ctx.command_path}: {message} (see '{ctx.command_path} --help')"
+
+
 def main() -> None:
     try:
-        app()
+        # not standalone: click's usage errors reach us, to print as one line
+        code = app(prog_name="rlcli", standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
+    except click_errors.NoArgsIsHelpError as e:  # a bare group: its help, as click does
+        e.show()
+        sys.exit(e.exit_code)
+    except click_errors.ClickException as e:
+        _say(usage_line(e) + "\n")
+        sys.exit(e.exit_code)
+    except typer.Abort:  # end of input at a prompt
+        _say("aborted\n")
+        sys.exit(1)
     except RlcliError as e:
         _say(f"{e}\n" if isinstance(e, Cancelled) else f"error: {e}\n")
         if e.exit_code == 141:
