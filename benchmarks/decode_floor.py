@@ -25,13 +25,13 @@ step calls. These hosts are noisy: run it twice, compare ratios.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _receipt  # noqa: E402
+from rl_gsm8k_smollm2 import smollm2_folder  # noqa: E402
 from sampling_smollm2 import read_bandwidth, weight_bytes  # noqa: E402
 
 TARGET_PCT = 30.0
@@ -41,7 +41,7 @@ NAMES = ("qkv", "o", "gate_up", "down")  # a layer's matmuls in the step (``Laye
 def median_ms(fn, reps: int) -> dict:
     fn()  # warm-up
     samples = [1000 * s for s in _receipt.timed(fn, reps)]
-    return {"median": statistics.median(samples), "min": min(samples), "raw": samples}
+    return {**_receipt.summary(samples), "raw": samples}
 
 
 def measure(model_dir: str, dtype_name: str, batches: list[int], positions: int, reps: int):
@@ -135,11 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    model_dir = args.model_dir
-    if not Path(model_dir).is_dir():
-        from rl_gsm8k_smollm2 import smollm2_folder
-
-        model_dir = str(smollm2_folder())
+    model_dir = str(smollm2_folder(Path(args.model_dir)))  # converted there if missing
     bandwidth = [read_bandwidth(torch.device("cpu"))]
     batches = [int(b) for b in args.batches.split(",")]
     results = {args.dtype: measure(model_dir, args.dtype, batches, args.positions, args.reps)}
