@@ -83,7 +83,7 @@ def one_batch(step, rows: int, positions: int, reps: int) -> dict:
     widths = {getattr(w, name).shape[1] for w in step.layers for name in NAMES}
     inputs = {n: torch.randn(rows, n) for n in widths}
     head_in = torch.randn(rows, step.head.shape[1])
-    packed = step.packed and (rows > 1 or step.dtype != torch.float32)  # as ``forward``
+    packed = step.uses_packed(rows)
 
     def projections():
         for w in step.layers:

@@ -353,6 +353,12 @@ class LlamaStep(torch.nn.Module):
         cos, sin = inner.rotary_emb(probe, positions)
         return cos[0], sin[0]
 
+    def uses_packed(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows multiplies by the packed weights: float32 matmuls of
+        one row do not (F.linear's gemv beat the packed layout, 16 vs 24 ms a step on
+        SmolLM2); bf16 ones and any batch do."""
+        return self.packed and (rows > 1 or self.dtype != torch.float32)
+
     def new_cache(self, rows: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Zeroed K/V slots: per layer [rows, kv_heads, length, head_dim], float32 as the
         model's projections return them (what training's forward attends to).
@@ -369,10 +375,9 @@ class LlamaStep(torch.nn.Module):
         length = keys[0].shape[2]
         attend = length if attend is None else attend
         group = heads // kv
-        # float32 matmuls of one row: F.linear's gemv beat the packed layout (16 vs 24 ms a
-        # step on SmolLM2); bf16 ones and any batch: the packed layout. A compiled step finds
-        # the packed weights by key (``_packed_linear``): a graph cannot hold them.
-        packed = self.packed and (rows > 1 or self.dtype != torch.float32)
+        # A compiled step finds the packed weights by key (``_packed_linear``): a graph
+        # cannot hold them.
+        packed = self.uses_packed(rows)
         keyed = packed and torch.compiler.is_compiling()
         h = F.embedding(tokens, self.embed)  # [B, hidden]
         cos = self.cos[positions].unsqueeze(1)  # [B, 1, head_dim]
