@@ -1,6 +1,6 @@
-"""What bf16 with float32 results (``server/precision.py``) costs against plain bf16 and float32:
-SmolLM2-135M-Instruct, in-process Engine, the RL benchmark's shapes (4 arithmetic prompts x 8
-rollouts at T 0.8, 24 tokens; then one importance-sampling forward+backward on them).
+"""What bf16 with float32 results (``server/engine/precision.py``) costs against plain bf16 and
+float32: SmolLM2-135M-Instruct, in-process Engine, the RL benchmark's shapes (4 arithmetic
+prompts x 8 rollouts at T 0.8, 24 tokens; then one importance-sampling forward+backward on them).
 
 Three variants in one process, interleaved, ``--reps`` times each (2 shared cores: compare the
 same rep's numbers): ``float32`` (its own engine), ``bf16_mixed`` (what the engine does now)
@@ -33,8 +33,8 @@ def main() -> None:
     parser.add_argument("--name", default="bf16_cost")
     args = parser.parse_args()
 
-    from rlcli.server import precision
-    from rlcli.server.engine import Engine
+    from rlcli.server.engine import precision
+    from rlcli.server.engine.core import Engine
 
     model = smollm2_folder(SMOLLM2)
     ps = prompts(model, 4)

@@ -54,7 +54,7 @@ def prompts(model: Path, n: int) -> list[np.ndarray]:
 
 
 def jobs_for(ps, sampler, group, max_tokens, temperature, seed0=0):
-    from rlcli.server.sampling import SampleJob
+    from rlcli.server.engine.sampling import SampleJob
 
     return [
         SampleJob(
@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--name", default="bf16_diagnosis")
     args = parser.parse_args()
 
-    from rlcli.server.engine import Engine
+    from rlcli.server.engine.core import Engine
 
     model = smollm2_folder(SMOLLM2)
     ps = prompts(model, args.prompts)

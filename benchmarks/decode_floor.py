@@ -48,7 +48,7 @@ def measure(model_dir: str, dtype_name: str, batches: list[int], positions: int,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlcli.server import decode_step, precision
+    from rlcli.server.engine import decode_step, precision
 
     dtype = getattr(torch, dtype_name)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -74,7 +74,7 @@ def measure(model_dir: str, dtype_name: str, batches: list[int], positions: int,
 def one_batch(step, rows: int, positions: int, reps: int) -> dict:
     import torch
 
-    from rlcli.server import decode_step
+    from rlcli.server.engine import decode_step
 
     keys, values = step.new_cache(rows, positions + 64)
     tokens = torch.randint(0, step.embed.shape[0], (rows,))

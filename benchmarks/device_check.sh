@@ -71,12 +71,12 @@ phase_setup() {
     nvidia-smi 2>&1 || echo "(no nvidia-smi)"
     "$PY" -m pip check 2>&1 || true
     "$PY" - <<'EOF'
-import torch, transformers, peft, tinker, tinker_cookbook, rlcli.server.engine  # noqa
+import torch, transformers, peft, tinker, tinker_cookbook, rlcli.server.engine.core  # noqa
 print("python", __import__("sys").version.split()[0], "torch", torch.__version__,
       "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "",
       "transformers", transformers.__version__, "peft", peft.__version__,
-      "tinker", tinker.__version__, "rlcli from", rlcli.server.engine.__file__)
+      "tinker", tinker.__version__, "rlcli from", rlcli.server.engine.core.__file__)
 from packaging.version import Version
 assert Version(transformers.__version__) <= Version("5.5.4"), \
     f"transformers {transformers.__version__} is past the project's pin: the carried one is not first"

@@ -3,7 +3,7 @@ in flight at once through the SDK, the server batching across tasks, each answer
 against the same prompts through ``transformers`` ``model.generate`` in-process (batched,
 left-padded, greedy, the same max new tokens, stopping at the same end-of-turn token).
 
-A third column runs the server's own engine (``rlcli.server.engine.Engine.sample``) in-process
+A third column runs the server's own engine (``rlcli.server.engine.core.Engine.sample``) in-process
 on the same prompts in batches of 64: the server's decoding without its request path, which
 separates the cost of batching and HTTP from the cost of the decode loop itself.
 
@@ -88,7 +88,7 @@ def generate_engine(engine, ids: list[list[int]], tokens: int, stop: list[int], 
     tells the batching and HTTP cost apart from the decoding."""
     import numpy as np
 
-    from rlcli.server.sampling import SampleJob
+    from rlcli.server.engine.sampling import SampleJob
 
     jobs = [
         SampleJob(
@@ -131,7 +131,7 @@ def main() -> None:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
             model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-            from rlcli.server.engine import Engine
+            from rlcli.server.engine.core import Engine
 
             engine = Engine(model_dir, device="cpu")
             with _receipt.local_server(model_dir, tmp, wait=300) as record:

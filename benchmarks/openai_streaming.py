@@ -87,7 +87,7 @@ def measure(model_dir: str, args) -> dict:
     from tinker import types
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlcli.server.engine import pick_dtype
+    from rlcli.server.engine.hardware import pick_dtype
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer.apply_chat_template(

@@ -119,7 +119,7 @@ def projections_ms(model, batch: int, device, reps: int = 5) -> dict:
     packed copies of the weights (``packed_ms``; None where it cannot pack)."""
     import torch
 
-    from rlcli.server import decode_step
+    from rlcli.server.engine import decode_step
 
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     dtype = next(model.parameters()).dtype
@@ -304,11 +304,11 @@ def staggered(model_dir: str, args) -> dict:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from rlcli.server import ops
-    from rlcli.server.batcher import Batcher
-    from rlcli.server.engine import Engine
-    from rlcli.server.engine_process import serve
-    from rlcli.server.sampling import SampleJob
+    from rlcli.server.engine import ops
+    from rlcli.server.engine.batcher import Batcher
+    from rlcli.server.engine.core import Engine
+    from rlcli.server.engine.process import serve
+    from rlcli.server.engine.sampling import SampleJob
 
     engine = Engine(model_dir, device=args.device, dtype="auto")
     ids = np.array(prompt_ids(AutoTokenizer.from_pretrained(model_dir)), dtype=np.int64)
@@ -409,7 +409,7 @@ def dtypes(choice: str, device: str) -> list[str]:
         return choice.split(",")
     import torch
 
-    from rlcli.server.engine import cpu_has_bf16
+    from rlcli.server.engine.hardware import cpu_has_bf16
 
     bf16 = torch.cuda.is_bf16_supported() if device == "cuda" else cpu_has_bf16()
     return ["float32", "bfloat16"] if bf16 else ["float32"]

@@ -58,7 +58,7 @@ def inprocess_stepper(model_path: str, seqs, rank: int, device: str = "cpu"):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from rlcli.server.engine import LORA_ALPHA, lora_layer_groups
+    from rlcli.server.engine.core import LORA_ALPHA, lora_layer_groups
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
     model.eval()

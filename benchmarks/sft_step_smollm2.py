@@ -130,7 +130,7 @@ def precision(model: str, device: str = "cpu") -> dict:
     import numpy as np
     import torch
 
-    from rlcli.server.engine import Engine
+    from rlcli.server.engine.core import Engine
     from rlcli.server.wire import DatumArrays
 
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -218,7 +218,7 @@ def main() -> None:
             servers[name]["tokens_per_s"] / baseline["tokens_per_s"]
         )
         print(name, json.dumps(servers[name]), flush=True)
-    from rlcli.server.engine import cpu_has_bf16
+    from rlcli.server.engine.hardware import cpu_has_bf16
 
     payload = {
         "what": "SFT step (forward_backward cross_entropy + optim_step), SmolLM2-135M-Instruct",

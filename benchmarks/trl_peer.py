@@ -134,7 +134,7 @@ def lora_targets(model: Path) -> dict[str, list[str]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlcli.server.engine import lora_layer_groups
+    from rlcli.server.engine.core import lora_layer_groups
 
     with torch.device("meta"):
         from transformers import AutoConfig

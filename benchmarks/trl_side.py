@@ -50,7 +50,7 @@ def gsm8k_reward(completions, answer, **_) -> list[float]:
 
 
 def cpu_has_bf16() -> bool:
-    """The rule of rlcli's ``--dtype auto`` (server/engine.py): bf16 only where the CPU
+    """The rule of rlcli's ``--dtype auto`` (server/engine/core.py): bf16 only where the CPU
     computes in it; elsewhere bf16 is emulated and several times slower than fp32."""
     try:
         with open("/proc/cpuinfo") as f:

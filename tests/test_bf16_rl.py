@@ -101,8 +101,8 @@ def test_a_step_whose_sampled_tokens_were_certain_reports_zero_mismatch():
     """A converged policy samples tokens at logprob 0.0 with advantage 0 (its group all
     right), which look like prompt tokens: the step still reports the metric (zeros; an RL
     run's metrics.jsonl had a step without it), and a step with no RL loss still has none."""
-    from rlcli.server import losses
-    from rlcli.server.engine import step_mismatch
+    from rlcli.server.engine import losses
+    from rlcli.server.engine.training import step_mismatch
 
     nothing_told_apart = {
         losses.MISMATCH_SUM: 0.0, losses.MISMATCH_MAX: 0.0, losses.MISMATCH_TOKENS: 0.0,

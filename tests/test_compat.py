@@ -17,7 +17,7 @@ def test_pins_are_the_installed_versions():
 def test_client_config_flags_exist_in_the_clients_schema():
     from tinker.types import ClientConfigResponse
 
-    from rlcli.server import generations
+    from rlcli.server.http.tinker import generations
 
     fields = ClientConfigResponse.model_fields
     for key in generations.CLIENT_CONFIG:

@@ -10,12 +10,12 @@ import queue
 import numpy as np
 import pytest
 
-from rlcli.server import ops
-from rlcli.server.batcher import Batcher
-from rlcli.server.engine import Engine
-from rlcli.server.engine_process import serve
+from rlcli.server.engine import ops
+from rlcli.server.engine.batcher import Batcher
+from rlcli.server.engine.core import Engine
+from rlcli.server.engine.process import serve
+from rlcli.server.engine.sampling import SampleJob
 from rlcli.server.errors import UserError
-from rlcli.server.sampling import SampleJob
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import start_server
-from rlcli.server.engine import Engine
-from rlcli.server.sampling import SampleJob
+from rlcli.server.engine.core import Engine
+from rlcli.server.engine.sampling import SampleJob
 from rlcli.server.wire import DatumArrays
 from test_decode_step import BF16_LOGP_ATOL, _job, _mixed_jobs, _tokens
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from rlcli.server import decode_step
-from rlcli.server.batcher import Batcher
-from rlcli.server.engine import Engine
-from rlcli.server.sampling import SampleJob
-from rlcli.server.slot_batch import SlotBatch
+from rlcli.server.engine import decode_step
+from rlcli.server.engine.batcher import Batcher
+from rlcli.server.engine.core import Engine
+from rlcli.server.engine.sampling import SampleJob
+from rlcli.server.engine.slot_batch import SlotBatch
 from rlcli.server.wire import DatumArrays
 
 BF16_LOGP_ATOL = 0.05  # as test_precision.py: bf16 kernels of different shapes round apart
@@ -270,7 +270,7 @@ def test_a_refilled_sampler_adapter_samples_its_own_weights(tiny_model):
     older snapshot out of peft, and the next load refills that spare peft adapter instead of
     building one: the refilled adapter samples the new weights (the training forward's
     logprobs), and peft holds no adapter per step."""
-    from rlcli.server.engine import SPARE_SAMPLER_SLOTS
+    from rlcli.server.engine.core import SPARE_SAMPLER_SLOTS
 
     engine = Engine(str(tiny_model), device="cpu", dtype="float32")
     engine.create_adapter("pol", rank=4, seed=0)

@@ -92,10 +92,10 @@ def test_a_dead_engine_fails_every_request_fast_and_the_server_exits(tmp_path, t
 def test_a_stop_during_sample_gathering_ends_the_engine(tiny_model):
     """Before: the stop arriving right behind a sample request was dropped by the gatherer,
     and the engine lingered until killed."""
-    from rlcli.server import ops
-    from rlcli.server.engine_process import EngineClient
-    from rlcli.server.futures import FutureStore
-    from rlcli.server.sampling import SampleJob
+    from rlcli.server.engine import ops
+    from rlcli.server.engine.sampling import SampleJob
+    from rlcli.server.state.engine_client import EngineClient
+    from rlcli.server.state.futures import FutureStore
 
     futures = FutureStore()
     futures.bind(asyncio.new_event_loop())  # replies are queued on it; nobody waits here

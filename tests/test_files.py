@@ -15,8 +15,8 @@ from rlcli.errors import RlcliError
 from rlcli.files import atomic
 from rlcli.files.jsonl import read_jsonl
 from rlcli.files.lastline import last_error_line, last_line
-from rlcli.server.checkpoints import CheckpointError
-from rlcli.server.checkpoints import parse_tinker_path as server_parse
+from rlcli.server.store.checkpoints import CheckpointError
+from rlcli.server.store.checkpoints import parse_tinker_path as server_parse
 
 
 def test_atomic_write_replaces_whole_and_leaves_nothing_behind(tmp_path):

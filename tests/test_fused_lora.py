@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlcli.server import fused_lora
-from rlcli.server.engine import Engine
+from rlcli.server.engine import fused_lora
+from rlcli.server.engine.core import Engine
 
 
 def _engine(model, dtype: str) -> Engine:

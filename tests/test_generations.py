@@ -1,8 +1,8 @@
-"""Both SDK generations on one server (``server/generations.py``): a 0.25 client (its own venv)
-and a 0.38 client (rlcli's) drive the same server at once through the whole journey and the
-cookbook's own training loops; the 0.38-only features work through the SDK; what a session of
-the other generation may not send, or what is not implemented, is a 4xx naming the field and
-changes nothing."""
+"""Both SDK generations on one server (``server/http/tinker/generations.py``): a 0.25 client
+(its own venv) and a 0.38 client (rlcli's) drive the same server at once through the whole
+journey and the cookbook's own training loops; the 0.38-only features work through the SDK;
+what a session of the other generation may not send, or what is not implemented, is a 4xx
+naming the field and changes nothing."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlcli.server import losses
+from rlcli.server.engine import losses
 
 
 def _batch():
@@ -120,7 +120,7 @@ def test_loss_guard_knows_what_each_backend_serves():
 
 
 def test_sampling_filters_apply_top_k_and_top_p_per_row():
-    from rlcli.server.sampling import filter_logits
+    from rlcli.server.engine.sampling import filter_logits
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
     out = filter_logits(

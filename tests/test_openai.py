@@ -276,7 +276,7 @@ def test_bad_input_is_a_400_in_openai_shape_and_nothing_else_changes(client, ser
 
 def test_text_stream_holds_back_partial_stops_and_characters():
     """Tokens here are bytes: what is sent never has to be taken back."""
-    from rlcli.server.openai_text import TextStream
+    from rlcli.server.http.openai.text import TextStream
 
     def decode(tokens):
         return bytes(tokens).decode("utf-8", errors="replace")

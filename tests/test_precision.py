@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlcli.server import logprobs, precision
-from rlcli.server.engine import Engine
+from rlcli.server.engine import logprobs, precision
+from rlcli.server.engine.core import Engine
 from rlcli.server.wire import DatumArrays
 
 BF16_LOGPROB_ATOL = 0.05  # max |bf16 - fp32| per token (measured on the tiny model: 0.024)
@@ -182,7 +182,7 @@ def test_grouped_attention_matches_transformers_sdpa_with_a_mask(fp32):
     heads per 2 key/value heads; every padded batch above goes through it too)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from rlcli.server import attention
+    from rlcli.server.engine import attention
 
     assert fp32.model.config._attn_implementation == attention.NAME
     module = fp32.model.model.layers[0].self_attn
@@ -205,7 +205,7 @@ def test_grouped_attention_matches_transformers_sdpa_with_a_mask(fp32):
 def test_microbatch_tokens_below_one_is_refused_not_replaced_by_the_default(capsys):
     """0 is a mistake, not "auto": the engine and ``python -m rlcli.server`` both refuse it."""
     from rlcli.server.__main__ import main as server_main
-    from rlcli.server.engine import pick_microbatch_tokens
+    from rlcli.server.engine.hardware import pick_microbatch_tokens
 
     cpu = torch.device("cpu")
     assert pick_microbatch_tokens(7, cpu) == 7
@@ -221,7 +221,7 @@ def test_the_cpu_default_micro_batch_in_bf16_is_what_half_the_free_memory_holds(
     """In bf16 the activations of the default micro-batch take at most half the memory left
     with the model loaded, in steps of 512 tokens between 512 and 4096; float32 takes 512 (the
     speed it gains from more is small); a GPU takes 4096."""
-    from rlcli.server.engine import activation_bytes_per_token, pick_microbatch_tokens
+    from rlcli.server.engine.hardware import activation_bytes_per_token, pick_microbatch_tokens
 
     cpu, mb, bf16 = torch.device("cpu"), 2**20, torch.bfloat16
     assert pick_microbatch_tokens(None, cpu, 2 * mb, 20_000 * mb, bf16) == 4096
@@ -278,7 +278,7 @@ def test_the_output_layer_is_float32_forward_and_takes_its_gradient_through_bf16
 def test_sampler_and_training_logprobs_agree_when_weights_have_not_moved(tiny_model, dtype):
     """Importance ratios are 1 up to rounding: sampling runs the same weights in the same dtype
     (the engine's), so its logprobs are the training forward's."""
-    from rlcli.server.sampling import SampleJob
+    from rlcli.server.engine.sampling import SampleJob
 
     engine = _engine(tiny_model, dtype=dtype)
     engine.snapshot_sampler("student", "snap", None, {})
@@ -302,7 +302,7 @@ def _sampling_engine(model, dtype: str) -> Engine:
 
 
 def _job(length: int, seed: int):
-    from rlcli.server.sampling import SampleJob
+    from rlcli.server.engine.sampling import SampleJob
 
     prompt = np.arange(3, 3 + length)
     job = SampleJob(prompt=prompt, num_samples=2, max_tokens=16, seed=seed, sampler="snap")
@@ -364,7 +364,7 @@ def test_a_small_lora_update_survives_bf16_rounding(tiny_model):
     """bf16 matmuls return float32 (precision.py), so the LoRA branch is added to an unrounded
     sum: a LoRA step as small as RL's first ones moves bf16 logprobs as it moves float32's.
     Added to bf16 outputs (peft's default) most of it is rounded away."""
-    from rlcli.server import precision
+    from rlcli.server.engine import precision
 
     engine = Engine(str(tiny_model), device="cpu", dtype="bfloat16")
     kinds = {type(m) for m in engine.model.modules() if isinstance(m, torch.nn.Linear)}

@@ -428,7 +428,7 @@ def checkpoints_root_of(record) -> Path:
 def test_housekeeping_goes_on_past_a_broken_checkpoints_folder(tmp_path, caplog):
     import asyncio
 
-    from rlcli.server.state import ServerState, SessionRecord, Settings, housekeeping
+    from rlcli.server.state.sessions import ServerState, SessionRecord, Settings, housekeeping
 
     root = tmp_path / "checkpoints"
     (root / "stray-run").mkdir(parents=True)
@@ -517,7 +517,7 @@ def test_a_torn_metrics_line_freezes_neither_progress_nor_step_counts(tmp_path):
 
 
 def write_version(folder: Path, tmp: Path, value: bytes) -> Path:
-    from rlcli.server import checkpoints
+    from rlcli.server.store import checkpoints
 
     sources = {}
     for name in ("adapter_config.json", "adapter_model.safetensors"):
@@ -531,7 +531,7 @@ def age(path: Path, seconds: float = 3600) -> None:
 
 
 def test_superseded_and_deleted_versions_outlive_their_name_by_the_grace(tmp_path):
-    from rlcli.server import checkpoints
+    from rlcli.server.store import checkpoints
 
     root = tmp_path / "checkpoints"
     folder = root / "run" / "sampler_weights" / "policy"
@@ -551,7 +551,7 @@ def test_superseded_and_deleted_versions_outlive_their_name_by_the_grace(tmp_pat
 def test_concurrent_downloads_share_one_tar_and_leave_nothing(tmp_path):
     import asyncio
 
-    from rlcli.server.archives import Archives
+    from rlcli.server.store.archives import Archives
 
     version = write_version(tmp_path / "run" / "sampler_weights" / "p", tmp_path, b"w" * 4096)
     archives = Archives(tmp_path / "tars")
@@ -635,7 +635,7 @@ def test_twenty_rl_clients_sample_from_their_own_steps(server, tiny_model):
 
 
 def test_snapshots_stay_bounded_per_client():
-    from rlcli.server.samplers import SamplerCache
+    from rlcli.server.engine.samplers import SamplerCache
 
     live: dict = {}
     cache = SamplerCache(
@@ -691,9 +691,10 @@ def test_a_restore_rechecks_the_name_when_it_commits(server, saved):
 
 
 def test_run_json_is_written_only_once_the_adapter_exists(tiny_model, tmp_path):
-    from rlcli.server import checkpoints, ops
-    from rlcli.server.engine import Engine
+    from rlcli.server.engine import ops
+    from rlcli.server.engine.core import Engine
     from rlcli.server.errors import UserError
+    from rlcli.server.store import checkpoints
 
     engine = Engine(str(tiny_model), device="cpu", dtype="float32", max_lora_rank=8)
     root = tmp_path / "checkpoints"

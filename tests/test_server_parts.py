@@ -14,10 +14,11 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from rlcli.server import checkpoints, sampling
+from rlcli.server.engine import sampling
+from rlcli.server.engine.samplers import SamplerCache
 from rlcli.server.errors import UserError
-from rlcli.server.futures import FutureStore
-from rlcli.server.samplers import SamplerCache
+from rlcli.server.state.futures import FutureStore
+from rlcli.server.store import checkpoints
 
 
 def _save(folder: Path, value: float) -> Path:
@@ -164,7 +165,7 @@ def test_row_seeds_accept_any_uint64():
 def test_a_saved_adapter_holds_its_own_tensors_only(tiny_model, caplog):
     """LoRA layers of an adapter peft no longer lists (seen once: a sampler's, in a training
     state under xdist) stay out of another adapter's checkpoint, and are logged."""
-    from rlcli.server.engine import Engine
+    from rlcli.server.engine.core import Engine
 
     engine = Engine(str(tiny_model), device="cpu", dtype="float32")
     engine.create_adapter("zebra", rank=4, seed=0)
@@ -179,7 +180,7 @@ def test_a_saved_adapter_holds_its_own_tensors_only(tiny_model, caplog):
 
 _STEPS = """
 import resource, sys, torch
-from rlcli.server import allocator
+from rlcli.server.engine import allocator
 kept = allocator.keep_freed_memory() if sys.argv[1] == "keep" else None
 def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 counts = []

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from rlcli.server import shared_prefix
-from rlcli.server.engine import Engine
-from rlcli.server.shared_prefix import Group
+from rlcli.server.engine import shared_prefix
+from rlcli.server.engine.core import Engine
+from rlcli.server.engine.shared_prefix import Group
 from rlcli.server.wire import DatumArrays
 
 

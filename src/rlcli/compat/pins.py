@@ -1,10 +1,10 @@
 """The pinned client versions (``tinker`` 0.38, ``tinker-cookbook`` 0.5.8) and what the pinned
 client insists on. A leaf: the server may import it (nothing here patches anything).
 
-rlcli itself runs on ``tinker`` 0.38 and drives ``tinker-cookbook==0.5.8`` (the server speaks to
-every SDK generation from 0.25 on: ``server/generations.py``). Whatever on the client side would
-break on a pin bump is named in ``rlcli.compat``, and ``tests/test_compat.py`` checks each
-assumption against the installed packages, so a bump fails loudly in one place.
+rlcli itself runs on ``tinker`` 0.38 and drives ``tinker-cookbook==0.5.8`` (the server speaks
+to every SDK generation from 0.25 on: ``server/http/tinker/generations.py``). Whatever on the
+client side would break on a pin bump is named in ``rlcli.compat``, and ``tests/test_compat.py``
+checks each assumption against the installed packages, so a bump fails loudly in one place.
 """
 
 from __future__ import annotations

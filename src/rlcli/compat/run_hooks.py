@@ -313,7 +313,7 @@ def send_lora_alpha(alpha: float | None) -> None:
         return
     import tinker
 
-    from rlcli.server.schemas import LORA_ALPHA_METADATA  # lazy: imports pydantic
+    from rlcli.server.http.tinker.schemas import LORA_ALPHA_METADATA  # lazy: imports pydantic
 
     for name in ("create_lora_training_client", "create_lora_training_client_async"):
         original = getattr(tinker.ServiceClient, name)

@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from rlcli.server.app import create_app  # lazy: imports torch, transformers, tinker
-    from rlcli.server.state import Settings  # lazy: imports torch, transformers, tinker
+    from rlcli.server.http.app import create_app  # lazy: imports torch, transformers, tinker
+    from rlcli.server.state.sessions import Settings  # lazy: imports torch, transformers, tinker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}

@@ -1,6 +1,6 @@
 """The one error type that means "the request was wrong", wherever it is raised.
 
-Raised in a route (or by ``wire``, ``validate``, ``checkpoints`` under one), ``app.py`` answers
+Raised in a route (or by ``wire``, ``validate``, ``checkpoints`` under one), ``http/app.py`` answers
 it with its ``status`` and message; raised in the engine, the future fails with category
 ``user`` (the SDK raises it at once instead of retrying). Subclasses say where it came from.
 """

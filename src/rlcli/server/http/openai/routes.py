@@ -20,15 +20,16 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, HTTPException
 
-from rlcli.server import checkpoints, ops
-from rlcli.server.futures import Outcome
-from rlcli.server.openai_answers import Answer, Plan, Stream, whole
-from rlcli.server.openai_schemas import ChatCompletion, Completion, OpenAIError
-from rlcli.server.openai_text import ChatTokenizer, TextStream
-from rlcli.server.routes_sampling import _sampler_ref
-from rlcli.server.sampling import SampleJob
-from rlcli.server.state import SamplerRef, ServerState, State
-from rlcli.server.validate import RequestError, check_token_ids
+from rlcli.server.engine import ops
+from rlcli.server.engine.sampling import SampleJob
+from rlcli.server.http.openai.answers import Answer, Plan, Stream, whole
+from rlcli.server.http.openai.schemas import ChatCompletion, Completion, OpenAIError
+from rlcli.server.http.openai.text import ChatTokenizer, TextStream
+from rlcli.server.http.tinker.sampling import _sampler_ref
+from rlcli.server.http.tinker.validate import RequestError, check_token_ids
+from rlcli.server.state.futures import Outcome
+from rlcli.server.state.sessions import SamplerRef, ServerState, State
+from rlcli.server.store import checkpoints
 
 log = logging.getLogger("rlcli.server")
 

@@ -8,8 +8,9 @@ import uuid
 
 from fastapi import APIRouter, HTTPException, Request
 
-from rlcli.server import ops, wire
-from rlcli.server.schemas import (
+from rlcli.server import wire
+from rlcli.server.engine import ops
+from rlcli.server.http.tinker.schemas import (
     LORA_ALPHA_METADATA,
     CreateModel,
     LoraConfig,
@@ -17,8 +18,8 @@ from rlcli.server.schemas import (
     OptimizerConfig,
     OptimStep,
 )
-from rlcli.server.state import ModelRecord, ServerState, State
-from rlcli.server.validate import validate_forward_backward
+from rlcli.server.http.tinker.validate import validate_forward_backward
+from rlcli.server.state.sessions import ModelRecord, ServerState, State
 
 router = APIRouter(prefix="/api/v1")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlcli.server import losses
+from rlcli.server.engine import losses
 from rlcli.server.errors import InvalidPayload
 from rlcli.server.wire import FwdBwdRequest
 

@@ -15,8 +15,8 @@ import logging
 from collections import deque
 from typing import Any
 
-from rlcli.server.engine import SAMPLE_ROWS_PER_BATCH
-from rlcli.server.sampling import DecodeBatch, SampleJob
+from rlcli.server.engine.core import SAMPLE_ROWS_PER_BATCH
+from rlcli.server.engine.sampling import DecodeBatch, SampleJob
 
 log = logging.getLogger("rlcli.engine")
 

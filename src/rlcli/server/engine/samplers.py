@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcli.server import checkpoints
 from rlcli.server.errors import UserError
+from rlcli.server.store import checkpoints
 
 EPHEMERAL = "ephemeral:"
 

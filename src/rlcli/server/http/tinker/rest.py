@@ -19,11 +19,13 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse
 
 from rlcli.checkpoint_format import ADAPTER_FILES, RESTORE_FILES
-from rlcli.server import checkpoints, generations, ops
-from rlcli.server.checkpoints import CheckpointRef
-from rlcli.server.engine_process import EngineUnavailable
-from rlcli.server.schemas import SetTtl
-from rlcli.server.state import ServerState, State
+from rlcli.server.engine import ops
+from rlcli.server.http.tinker import generations
+from rlcli.server.http.tinker.schemas import SetTtl
+from rlcli.server.state.engine_client import EngineUnavailable
+from rlcli.server.state.sessions import ServerState, State
+from rlcli.server.store import checkpoints
+from rlcli.server.store.checkpoints import CheckpointRef
 
 router = APIRouter(prefix="/api/v1")
 public = APIRouter()  # the archive link: the CLI fetches it with plain urllib and no key

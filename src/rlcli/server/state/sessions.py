@@ -21,10 +21,11 @@ from fastapi import Depends, HTTPException, Request
 
 from rlcli.home import rlcli_home
 from rlcli.models.names import resolve_model_name
-from rlcli.server import checkpoints, generations, ops
-from rlcli.server.archives import Archives
-from rlcli.server.engine_process import EngineClient, EngineUnavailable
-from rlcli.server.futures import FutureStore
+from rlcli.server.engine import ops
+from rlcli.server.state.engine_client import EngineClient, EngineUnavailable
+from rlcli.server.state.futures import FutureStore
+from rlcli.server.store import checkpoints
+from rlcli.server.store.archives import Archives
 
 log = logging.getLogger("rlcli.server")
 
@@ -92,10 +93,6 @@ class SessionRecord:
     created: float = field(default_factory=time.time)
     last_heartbeat: float = field(default_factory=time.time)
     finished: str | None = None  # the reason a tinker>=0.38 client gave when it closed
-
-    @property
-    def legacy(self) -> bool:
-        return generations.is_legacy(self.sdk_version)
 
 
 @dataclass

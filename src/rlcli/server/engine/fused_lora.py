@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from rlcli.server.precision import Bf16Linear, Float32Head
+from rlcli.server.engine.precision import Bf16Linear, Float32Head
 
 
 def install(model: torch.nn.Module) -> int:

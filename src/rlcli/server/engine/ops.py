@@ -2,9 +2,9 @@
 
 Each operation is a small typed record: ``run`` calls the engine (in the engine process),
 ``answer`` turns the engine's return value into the response body ``retrieve_future`` sends
-(in the HTTP process). The queue between the two carries only these records
-(``engine_process.py``), so there is no op name string to mistype and no if-chain to extend.
-This module imports no torch: the HTTP process never loads it.
+(in the HTTP process). The queue between the two carries only these records (``process.py``,
+``state/engine_client.py``), so there is no op name string to mistype and no if-chain to
+extend. This module imports no torch: the HTTP process never loads it.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastapi.responses import Response
 
-from rlcli.server import checkpoints, wire
+from rlcli.server import wire
+from rlcli.server.store import checkpoints
 
 if TYPE_CHECKING:
-    from rlcli.server.engine import Engine
-    from rlcli.server.sampling import SampleJob
+    from rlcli.server.engine.core import Engine
+    from rlcli.server.engine.sampling import SampleJob
 
 
 @dataclass
@@ -176,7 +177,7 @@ class ForgetSampler(Op):
 
 @dataclass
 class Sample(Op):
-    """One ``asample`` request. The engine batches consecutive ones (``engine_process.py``)."""
+    """One ``asample`` request. The engine batches consecutive ones (``process.py``)."""
 
     job: SampleJob
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from rlcli.server.decode_step import ATTN, HEAD, MLP, Compiled, LlamaStep, bucket
-from rlcli.server.sampling import DecodeBatch, SampleJob, SampleOutput
+from rlcli.server.engine.decode_step import ATTN, HEAD, MLP, Compiled, LlamaStep, bucket
+from rlcli.server.engine.sampling import DecodeBatch, SampleJob, SampleOutput
 
 LENGTH_STEP = 128  # cache length granularity (tokens): the step attends to all of it, masked
 

@@ -7,12 +7,14 @@ import uuid
 import numpy as np
 from fastapi import APIRouter, HTTPException
 
-from rlcli.server import checkpoints, generations, ops
-from rlcli.server.routes_checkpoints import resolve_checkpoint
-from rlcli.server.sampling import SampleJob
-from rlcli.server.schemas import CreateSamplingSession, Sample, TensorData
-from rlcli.server.state import SamplerRef, ServerState, State
-from rlcli.server.validate import RequestError, check_token_ids
+from rlcli.server.engine import ops
+from rlcli.server.engine.sampling import SampleJob
+from rlcli.server.http.tinker import generations
+from rlcli.server.http.tinker.checkpoints import resolve_checkpoint
+from rlcli.server.http.tinker.schemas import CreateSamplingSession, Sample, TensorData
+from rlcli.server.http.tinker.validate import RequestError, check_token_ids
+from rlcli.server.state.sessions import SamplerRef, ServerState, State
+from rlcli.server.store import checkpoints
 
 router = APIRouter(prefix="/api/v1")
 

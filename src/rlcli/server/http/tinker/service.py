@@ -9,9 +9,16 @@ import uuid
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from rlcli.server import generations, losses, wire
-from rlcli.server.schemas import CreateSession, FinishSession, RetrieveFuture, SessionRef
-from rlcli.server.state import SessionRecord, State
+from rlcli.server import wire
+from rlcli.server.engine import losses
+from rlcli.server.http.tinker import generations
+from rlcli.server.http.tinker.schemas import (
+    CreateSession,
+    FinishSession,
+    RetrieveFuture,
+    SessionRef,
+)
+from rlcli.server.state.sessions import SessionRecord, State
 from rlcli.versions import installed_versions
 
 POLL_SECONDS = 35.0  # long-poll window of retrieve_future; the client waits up to 45 s

@@ -1,4 +1,4 @@
-"""The answers of the OpenAI-compatible endpoint (``routes_openai.py``): a whole
+"""The answers of the OpenAI-compatible endpoint (``routes.py``): a whole
 ``chat.completion`` / ``text_completion`` from the engine's ``SampleOutput``, and the SSE chunks
 of a stream from the engine's partial results (``_Answer``), one ``TextStream`` per choice.
 ``Stream`` runs its ``on_close`` however the response ends, which is how a client that hangs
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import StreamingResponse
 
-from rlcli.server.futures import Outcome
-from rlcli.server.openai_text import ChatTokenizer, TextStream
-from rlcli.server.sampling import SampleJob
-from rlcli.server.state import ServerState
+from rlcli.server.engine.sampling import SampleJob
+from rlcli.server.http.openai.text import ChatTokenizer, TextStream
+from rlcli.server.state.futures import Outcome
+from rlcli.server.state.sessions import ServerState
 
 log = logging.getLogger("rlcli.server")
 

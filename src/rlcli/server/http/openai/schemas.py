@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-compatible endpoint, typed at the boundary like ``schemas.py``.
+"""Request bodies of the OpenAI-compatible endpoint, typed at the boundary like
+``tinker/schemas.py``.
 
 Fields follow the OpenAI API (chat completions and legacy completions). What this server does
 not do is named, not ignored: ``tools``, a ``response_format`` other than text, images and

@@ -1,12 +1,13 @@
-"""The HTTP process of the torch backend: a FastAPI app over the Tinker API of the pinned
-0.25.0 client.
+"""The HTTP process of the torch backend: a FastAPI app over the Tinker API (every SDK
+generation from 0.25 on) and the OpenAI-compatible ``/v1``.
 
-Routers (``routes_*.py``) validate typed bodies (``schemas.py``), record state (``state.py``)
-and queue typed operations on the engine process (``ops.py``, ``engine_process.py``); results
-come back through ``retrieve_future``. This module wires them together and owns the answers
-to errors: a bad body is a 400 naming the field, anything unexpected a JSON 500, never a
-dropped connection. If the engine dies the server answers what it can for a few seconds, then
-exits non-zero so a supervisor brings up a fresh one (``__main__.py``).
+Routers (``tinker/*.py``, ``openai/routes.py``) validate typed bodies (``tinker/schemas.py``),
+record state (``state/sessions.py``) and queue typed operations on the engine process
+(``engine/ops.py``, ``state/engine_client.py``); results come back through
+``retrieve_future``. This module wires them together and owns the answers to errors: a bad
+body is a 400 naming the field, anything unexpected a JSON 500, never a dropped connection.
+If the engine dies the server answers what it can for a few seconds, then exits non-zero so a
+supervisor brings up a fresh one (``__main__.py``).
 """
 
 from __future__ import annotations
@@ -23,18 +24,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rlcli.server import (
-    checkpoints,
-    routes_checkpoints,
-    routes_openai,
-    routes_rest,
-    routes_sampling,
-    routes_service,
-    routes_training,
-)
 from rlcli.server.errors import UserError
-from rlcli.server.schemas import first_error
-from rlcli.server.state import ServerState, Settings, housekeeping
+from rlcli.server.http.openai import routes as routes_openai
+from rlcli.server.http.tinker import checkpoints as routes_checkpoints
+from rlcli.server.http.tinker import rest as routes_rest
+from rlcli.server.http.tinker import sampling as routes_sampling
+from rlcli.server.http.tinker import service as routes_service
+from rlcli.server.http.tinker import training as routes_training
+from rlcli.server.http.tinker.schemas import first_error
+from rlcli.server.state.sessions import ServerState, Settings, housekeeping
+from rlcli.server.store import checkpoints
 
 log = logging.getLogger("rlcli.server")
 

@@ -1,35 +1,28 @@
-"""Both ends of the queue between the HTTP process and the engine process.
+"""The engine process: builds the ``Engine`` and answers the typed operations (``ops.py``) that
+the HTTP process queues (``state/engine_client.py`` is the other end of the queue).
 
-``EngineClient`` (HTTP side) starts the engine, submits typed operations (``ops.py``) and feeds
-the replies into the ``FutureStore``. ``engine_main`` (engine side) builds the ``Engine`` and
-runs operations in arrival order, which is each tinker client's order; ``Sample`` operations
+Operations run in arrival order, which is each tinker client's order; ``Sample`` operations
 are decoded together, continuously batched (``batcher.py``).
 
-Invariant 2 (every request gets an answer) is held here for the engine's part: every submitted
-operation gets exactly one reply (its result, a user error or a server error), and if the engine
-process dies, every pending and every later request fails at once with the reason instead of
-waiting forever. The server then exits (see ``app.py``) so that whatever supervises it
-(``rlcli serve start`` run again, a container restart policy) brings up a fresh one.
+Invariant 2 (every request gets an answer) is held here for the engine's part: every operation
+read from the queue gets exactly one reply (its result, a user error or a server error). If this
+process dies, ``EngineClient`` fails every pending and later request with the reason.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import queue
-import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
-from rlcli.server import allocator, ops
-from rlcli.server.batcher import Batcher
-from rlcli.server.engine import Engine
+from rlcli.server.engine import allocator, ops
+from rlcli.server.engine.batcher import Batcher
+from rlcli.server.engine.core import Engine
 from rlcli.server.errors import UserError
-from rlcli.server.futures import FutureStore
 
 log = logging.getLogger("rlcli.server")
 
@@ -42,106 +35,6 @@ PARTIAL = "partial"  # (request_id, PARTIAL, tokens) on the reply queue: a strea
 # cheaper than one join each (later ones still join the running batch, see batcher.py).
 GATHER_IDLE_S = 0.02
 GATHER_MAX_S = 0.25
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine is loading or gone; the message says which."""
-
-
-class EngineClient:
-    def __init__(
-        self,
-        settings: dict[str, Any],
-        futures: FutureStore,
-        on_death: Callable[[str], None] | None = None,
-    ) -> None:
-        """``on_death(reason)`` is called (from a thread) once, if the engine dies."""
-        ctx = mp.get_context("spawn")  # never fork a process that has threads and a loop
-        self._requests = ctx.Queue()
-        self._results = ctx.Queue()
-        self._futures = futures
-        self.on_death = on_death
-        self.info: dict[str, Any] | None = None  # set once the model is loaded
-        self.error: str | None = None  # set if the engine failed to start or died
-        self.ready = threading.Event()
-        self._stopping = False  # a stop we asked for is not a death
-        self._process = ctx.Process(
-            target=engine_main,
-            args=(settings, self._requests, self._results),
-            name="rlcli-engine",
-            daemon=True,
-        )
-
-    def start(self) -> None:
-        self._process.start()
-        threading.Thread(target=self._read_replies, name="engine-replies", daemon=True).start()
-
-    @property
-    def healthy(self) -> bool:
-        return self.info is not None and self.error is None and self._process.is_alive()
-
-    def submit(self, op: ops.Op) -> str:
-        """Queue ``op`` on the engine; returns the request id to poll.
-
-        Raises ``EngineUnavailable`` if the engine is gone: nothing would ever answer."""
-        if self.error is not None or not self._process.is_alive():
-            raise EngineUnavailable(self.error or "the engine process is not running")
-        request_id = self._futures.create(type(op))
-        self._requests.put((request_id, op))
-        return request_id
-
-    def cancel(self, request_id: str) -> None:
-        """The client of a sample request went away: the engine drops its rows at the next
-        decode step (its future still gets one reply, a user error)."""
-        if self.error is None and self._process.is_alive():
-            self._requests.put((CANCEL, request_id))
-
-    def _read_replies(self) -> None:
-        while True:
-            try:
-                request_id, status, value = self._results.get(timeout=0.5)
-            except queue.Empty:
-                if self._stopping:
-                    return
-                if not self._process.is_alive():
-                    self._died(f"the engine process exited (code {self._process.exitcode})")
-                    return
-                continue
-            except (EOFError, OSError):
-                self._died("the engine's reply queue broke")
-                return
-            if request_id == READY:
-                if status == "ok":
-                    self.info = value
-                else:
-                    self._died(f"the engine failed to start: {value}")
-                    return
-                self.ready.set()
-                continue
-            if status == PARTIAL:
-                self._futures.partial(request_id, value)
-                continue
-            self._futures.resolve(request_id, status, value)
-
-    def _died(self, reason: str) -> None:
-        self.error = reason
-        log.error("engine failed: %s; failing every pending request", reason)
-        self.ready.set()
-        self._futures.fail_all(f"{reason}; restart the server (`rlcli serve start`)")
-        if self.on_death is not None:
-            self.on_death(reason)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stopping = True
-        if self._process.is_alive():
-            self._requests.put(None)
-            self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(timeout)
-
-
-# ---- the engine process --------------------------------------------------------------------
 
 
 def engine_main(settings: dict[str, Any], requests, results) -> None:

@@ -1,6 +1,6 @@
 """Checkpoint routes of training clients: save state, save sampler weights (named, or an
 unnamed snapshot answered with a sampling session), load state, weights info. The engine
-writes the files (``checkpoints.py``); this side names, checks and records them."""
+writes the files (``store/checkpoints.py``); this side names, checks and records them."""
 
 from __future__ import annotations
 
@@ -11,17 +11,19 @@ from pathlib import Path
 
 from fastapi import APIRouter, HTTPException
 
-from rlcli.server import checkpoints, generations, ops
-from rlcli.server.checkpoints import CheckpointRef
-from rlcli.server.routes_training import check_optimizer, new_training_client
-from rlcli.server.schemas import (
+from rlcli.server.engine import ops
+from rlcli.server.http.tinker import generations
+from rlcli.server.http.tinker.schemas import (
     LoadWeights,
     LoraConfig,
     SaveWeights,
     SaveWeightsExternal,
     WeightsInfo,
 )
-from rlcli.server.state import SamplerRef, ServerState, State
+from rlcli.server.http.tinker.training import check_optimizer, new_training_client
+from rlcli.server.state.sessions import SamplerRef, ServerState, State
+from rlcli.server.store import checkpoints
+from rlcli.server.store.checkpoints import CheckpointRef
 
 router = APIRouter(prefix="/api/v1")
 
