@@ -30,7 +30,7 @@ OUTSIDE = "rlcli/ratio_outside_frac:mean"
 LEARNED_REWARD_ATOL = 0.15
 LEARNED_GAIN = 0.15
 # |logp_train - logp_sampler| per token on the tiny model, weights unchanged since sampling
-# (docs/architecture.md, Precision; measured 1e-6 in float32, 1.4e-3 in bf16).
+# (docs/precision.md, Tolerances; measured 1e-6 in float32, 1.4e-3 in bf16).
 AGREE_ATOL = {"float32": 1e-4, "bfloat16": 0.02}
 
 

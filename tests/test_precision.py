@@ -2,8 +2,8 @@
 
 The plain path is what the engine did before: the whole model's logits in float32, one
 ``log_softmax``, one backward. Chunking and checkpointing only reorder float32 arithmetic, so
-they match it to rounding; bf16 weights match within the tolerance in docs/architecture.md
-("Precision"): BF16_LOGPROB_ATOL per token (BF16_LOGPROB_MEAN_ATOL on average), and the
+they match it to rounding; bf16 weights match within the tolerance in docs/precision.md
+("Tolerances"): BF16_LOGPROB_ATOL per token (BF16_LOGPROB_MEAN_ATOL on average), and the
 LoRA gradient within BF16_GRAD_COSINE of the float32 direction.
 """
 

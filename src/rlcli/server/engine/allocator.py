@@ -7,7 +7,8 @@ chunks in afresh. SmolLM2 in bf16, 8 RL rows of ~310 tokens right after a sampli
 ~550k page faults and 9-11 s a forward_backward + optim_step; with freed memory kept in the
 heap, ~0 faults and 6.5 s, at the same peak RSS (9.0 GB). The price: memory the engine once
 used is not returned to the kernel until it exits (its RSS stays at its peak, which glibc's
-heap already mostly did: docs/architecture.md, "Losses, fused").
+heap already mostly did: docs/server-engine.md, "Micro-batch size and gradient
+checkpointing").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ mask, because on CUDA a mask sends ``enable_gqa`` to the slow math kernel. The e
 mask whenever rows are padded (prompts of different lengths), which is most RL batches. On a
 CPU the flash kernel takes the mask and the grouped heads as they are: at batch 16 and a
 430-token cache on SmolLM2 one layer's attention takes 0.53 ms instead of 2.5 ms, and a
-padded decode step ~50 ms less (``docs/architecture.md``, "Sampling").
+padded decode step ~50 ms less (``docs/server-engine.md``, "Sampling").
 
 ``use_grouped_sdpa`` registers this as an attention implementation through transformers'
 documented ``AttentionInterface`` (masks built exactly as for ``sdpa``) and switches a CPU

@@ -56,7 +56,8 @@ def compile_wanted(flag: bool | None, device: torch.device) -> bool:
     """``--compile`` / ``--no-compile``; else ``RLCLI_COMPILE`` (``0`` or ``1``; the test suite
     sets 0); else on a GPU only. On a CPU a compiled step gains 8-16% a step on SmolLM2
     (bf16, batch 8), after 36-53 s of compiling per batch bucket and LoRA layout that a first
-    request waits for: worth it for a long-lived server only (docs/architecture.md)."""
+    request waits for: worth it for a long-lived server only (docs/server-engine.md, "The
+    decode step")."""
     if flag is not None:
         return flag
     if os.environ.get("RLCLI_COMPILE") in ("0", "1"):
