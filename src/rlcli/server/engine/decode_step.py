@@ -47,9 +47,8 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 PROJECTIONS = (*ATTN, *MLP)
 HEAD = "lm_head"
 # Batch-size buckets: a batch runs at the smallest bucket that holds its rows (one compiled
-# graph each), and a cache grows its length by doubling from MIN_LENGTH.
+# graph each); the cache's length grows in steps of slot_batch.LENGTH_STEP.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MIN_LENGTH = 128
 
 
 def compile_wanted(flag: bool | None, device: torch.device) -> bool:

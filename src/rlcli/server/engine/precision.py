@@ -5,10 +5,11 @@ the bf16 grid (8 significant bits). peft adds the LoRA branch (float32) to that 
 and rounds the sum to bf16 again; the base output is already on the grid, so a LoRA delta
 below half a bf16 step of the value it is added to is rounded away, deterministically. A
 LoRA's first steps are exactly that small: on SmolLM2 the logprob change one RL step makes,
-computed with the same LoRA weights, was half as large in bf16 as in float32 (0.070 vs 0.148
-mean per token, correlation 0.79), so bf16 RL moved the policy at about half the learning
-rate, and noisily. The logits too sat on the bf16 grid (a step of 0.125 at |logit| 16..32),
-which set the sampler/trainer logprob mismatch at ~0.04 per token on average.
+computed with the same LoRA weights, was half as large in bf16 as in float32 (0.070 vs 0.135
+mean per token, correlation 0.78: benchmarks/results/bf16_diagnosis_before.json), so bf16 RL
+moved the policy at about half the learning rate, and noisily. The logits too sat on the bf16
+grid (a step of 0.125 at |logit| 16..32), which set the sampler/trainer logprob mismatch at
+~0.04 per token on average.
 
 ``mixed_precision(model)`` changes the class of each bf16 ``nn.Linear`` (before peft wraps
 them, so peft's LoRA layers wrap these):

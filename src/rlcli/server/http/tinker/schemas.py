@@ -4,8 +4,8 @@ One pydantic model per JSON body of the tinker client, for every SDK generation 
 0.38: the union of their request types, read from ``tinker/types`` of each; a field only the
 newer generation sends is optional here). Strict types (``"abc"`` is not a number, ``1.5`` is
 not a count), no NaN or infinity, bounded integers; fields the client may add later are
-ignored. A body that fails answers 400 naming the field (``app.py``). ``forward_backward``
-is protobuf (``wire.py``).
+ignored. A body that fails answers 422 naming the field (``http/app.py``; 400 under
+``/v1``). ``forward_backward`` is protobuf (``wire.py``).
 """
 
 from __future__ import annotations
