@@ -62,6 +62,15 @@ class Collected:
     owners: dict[str, str] = field(default_factory=dict)
     unmapped: Counter = field(default_factory=Counter)
 
+    def merge(self, line: Collected) -> None:
+        """Take one line's findings: readers read a line into a fresh ``Collected`` and merge
+        it only when the whole line was good, so a bad line leaves nothing behind."""
+        self.calls += line.calls
+        self.tool_runs += line.tool_runs
+        self.verdicts += line.verdicts
+        self.owners.update(line.owners)
+        self.unmapped.update(line.unmapped)
+
 
 def _arguments_key(arguments: str):
     try:

@@ -37,15 +37,24 @@ class Reader:
         self.traces: set[str] = set()
 
     def add(self, row: dict, line: int) -> None:
+        """Read one line; nothing of it is kept unless all of it is good."""
+        whole, self.found = self.found, Collected()
+        try:
+            self._add(row, line)
+            whole.merge(self.found)
+        finally:
+            self.found = whole
+
+    def _add(self, row: dict, line: int) -> None:
         if isinstance(row.get("observations"), list):  # a trace with its details
             trace = _text(row, "id", "")
-            self.traces.add(trace)
             for i, item in enumerate(row["observations"]):
                 if isinstance(item, dict):  # TraceWithDetails lists ids only
                     self._observation(item, f"observations[{i}].", line, trace)
             for i, item in enumerate(row.get("scores") or ()):
                 if isinstance(item, dict):
                     self._score(item, f"scores[{i}].", trace)
+            self.traces.add(trace)
         elif "type" in row and ("traceId" in row or "startTime" in row):
             self._observation(row, "", line, None)
         elif "dataType" in row or ({"name", "source"} <= row.keys() and "value" in row):

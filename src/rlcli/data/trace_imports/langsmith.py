@@ -36,32 +36,44 @@ class Reader:
         self.found = Collected()
         self.parent: dict[str, str | None] = {}
         self.trace: dict[str, str | None] = {}
-        self.calls: list[Call] = []
-        self.runs: list[ToolRun] = []
 
     def add(self, row: dict, line: int) -> None:
+        """Read one line; nothing of it is kept unless all of it is good."""
+        staged = _Line()
         if "run_type" in row:
-            self._run(row, "", line, None, None)
+            staged.run(row, "", line, None, None)
         elif "key" in row and ("run_id" in row or "trace_id" in row):
-            self.found.verdicts.append(_verdict(row, "", None))
+            staged.found.verdicts.append(_verdict(row, "", None))
         else:
             raise FormatError("neither a run (run_type) nor feedback (key and run_id)")
+        self.found.merge(staged.found)
+        self.parent.update(staged.parent)
+        self.trace.update(staged.trace)
 
     def collected(self) -> Collected:
-        for item in (*self.calls, *self.runs):
+        for item in (*self.found.calls, *self.found.tool_runs):
             item.trace = self._trace_of(item.id)
         self.found.owners.update({run: self._trace_of(run) for run in self.parent})
-        self.found.calls, self.found.tool_runs = self.calls, self.runs
         return self.found
 
     def _trace_of(self, run: str) -> str:
+        """A run's trace: its ``trace_id``, else its nearest ancestor's, else its root's id."""
         seen = set()
         while self.trace.get(run) is None and self.parent.get(run) and run not in seen:
             seen.add(run)
             run = self.parent[run]
         return self.trace.get(run) or run
 
-    def _run(self, row, where: str, line: int, parent, trace) -> None:
+
+class _Line:
+    """What one line holds, runs nested in ``child_runs`` included."""
+
+    def __init__(self) -> None:
+        self.found = Collected()
+        self.parent: dict[str, str | None] = {}
+        self.trace: dict[str, str | None] = {}
+
+    def run(self, row, where: str, line: int, parent, trace) -> None:
         if not isinstance(row, dict):
             raise FormatError(f"{where or 'run'}: not an object")
         run_id, kind = _text_field(row, "id", where), row.get("run_type")
@@ -72,20 +84,23 @@ class Reader:
         if kind == "llm":
             messages, tools = _request(row, where, unmapped)
             output = _answer(row.get("outputs"), f"{where}outputs", unmapped)
-            self.calls.append(Call("", run_id, order, messages, output, tools))
+            self.found.calls.append(Call("", run_id, order, messages, output, tools))
         elif kind == "tool":
             name = row.get("name") if isinstance(row.get("name"), str) else None
             call_id, output = _tool_output(row.get("outputs"), f"{where}outputs", unmapped)
-            self.runs.append(ToolRun("", run_id, order, name, call_id, output))
+            self.found.tool_runs.append(ToolRun("", run_id, order, name, call_id, output))
         elif kind not in STRUCTURE:
             unmapped[f"{kind} run"] += 1
-        for i, entry in enumerate(row.get("feedback") or ()):
+        entries = row.get("feedback") or []
+        if not isinstance(entries, list):
+            raise FormatError(f"{where}feedback: not a list")
+        for i, entry in enumerate(entries):
             self.found.verdicts.append(_verdict(entry, f"{where}feedback[{i}].", run_id))
-        children = row.get("child_runs") or ()
+        children = row.get("child_runs") or []
         if not isinstance(children, list):
             raise FormatError(f"{where}child_runs: not a list")
         for i, child in enumerate(children):
-            self._run(child, f"{where}child_runs[{i}].", line, run_id, self.trace[run_id])
+            self.run(child, f"{where}child_runs[{i}].", line, run_id, self.trace[run_id])
 
 
 def _text_field(row: dict, name: str, where: str) -> str:

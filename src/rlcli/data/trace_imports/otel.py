@@ -91,9 +91,18 @@ class Reader:
         self.logs: list[_Event] = []
 
     def add(self, row: dict, line: int) -> None:
+        """Read one line; nothing of it is kept unless all of it is good."""
+        spans, logs, unmapped = len(self.spans), len(self.logs), Counter()
+        try:
+            self._add(row, line, unmapped)
+        except FormatError:
+            del self.spans[spans:], self.logs[logs:]
+            raise
+        self.found.unmapped.update(unmapped)
+
+    def _add(self, row: dict, line: int, unmapped: Counter) -> None:
         if "resourceSpans" not in row and "resourceLogs" not in row:
             raise FormatError("neither resourceSpans nor resourceLogs (an OTLP JSON request)")
-        unmapped = self.found.unmapped
         for where, item in _walk(row, "resourceSpans", "scopeSpans", "spans"):
             trace, span_id = _hex(item, "traceId", where), _hex(item, "spanId", where)
             attrs = attributes(item.get("attributes"), f"{where}.attributes")
