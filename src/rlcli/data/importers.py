@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from rlcli.data.chat import LineError
-from rlcli.data.trace_imports import READERS
+from rlcli.data.trace_imports import READERS, RECORDS
 from rlcli.data.trace_imports.assemble import assemble
 from rlcli.data.trace_imports.shaping import ROLE_ALIASES, FormatError
 
@@ -257,7 +257,7 @@ def _import_traces(
         except json.JSONDecodeError as e:
             report.errors.append(LineError(number, f"not JSON ({e.msg} at column {e.colno})"))
         except FormatError as e:
-            report.errors.append(LineError(number, f"not a {fmt} record: {e}"))
+            report.errors.append(LineError(number, f"not {RECORDS[fmt]}: {e}"))
     found = reader.collected()
     for row, trace, call in assemble(found):
         if limit is not None and report.written >= limit:

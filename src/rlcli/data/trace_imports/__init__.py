@@ -11,3 +11,6 @@ from __future__ import annotations
 from rlcli.data.trace_imports import langfuse, langsmith, otel
 
 READERS = {"langsmith": langsmith.Reader, "langfuse": langfuse.Reader, "otel": otel.Reader}
+# How an error names what a bad line should have been ("line 3: not an OTLP record: ...").
+RECORDS = {"langsmith": "a LangSmith record", "langfuse": "a Langfuse record",
+           "otel": "an OTLP record"}  # fmt: skip

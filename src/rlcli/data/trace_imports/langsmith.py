@@ -209,14 +209,16 @@ def _tool_output(outputs, where: str, unmapped: Counter) -> tuple[str | None, st
 
 
 def _verdict(row, where: str, run_id: str | None) -> Verdict:
-    """LangSmith feedback, its fields kept as they are; the source is ``feedback_source.type``
-    (``api``, ``model``, ``app``)."""
+    """LangSmith feedback, its fields kept as they are (a true/false score as 1.0/0.0); the
+    source is ``feedback_source.type`` (``api``, ``model``, ``app``)."""
     if not isinstance(row, dict):
         raise FormatError(f"{where or 'feedback'}: not an object")
     key = _text_field(row, "key", where)
     score = row.get("score")
     if score is not None and not isinstance(score, int | float):
         raise FormatError(f"{where}score: {score!r} is not a number")
+    if isinstance(score, bool):  # LangSmith takes true/false; rows carry numbers
+        score = float(score)
     source = row.get("feedback_source")
     kind = source.get("type") if isinstance(source, dict) else source
     entry = feedback(key, score, row.get("value"), row.get("comment"), row.get("correction"), kind)
