@@ -55,7 +55,7 @@ def redact(
         path = Path(source)
         if not path.is_file():
             raise RlcliError(f"{source}: no such file")
-        lines, name = path.open(encoding="utf-8"), source
+        lines, name = path.open("rb"), source
     scrub = redactor(entities, ner_model)
     report = RedactionReport()
     with whole_output(output) as out:
@@ -86,12 +86,13 @@ def redact(
         stream.write(json.dumps(report.as_dict(), indent=2) + "\n")
 
 
-def _numbered(lines, name: str):
-    """``(number, line)`` for each non-blank line; text that is not UTF-8 is one error line."""
-    number = 0
-    try:
-        for number, line in enumerate(lines, start=1):  # noqa: B007 (read after the loop)
-            if line.strip():
-                yield number, line
-    except UnicodeDecodeError:
-        raise RlcliError(f"{name}: line {number + 1}: not UTF-8 text; nothing written") from None
+def _numbered(stream, name: str):
+    """``(number, line)`` for each non-blank line, decoded line by line so that text which is
+    not UTF-8 is reported on its own line."""
+    for number, raw in enumerate(getattr(stream, "buffer", stream), start=1):
+        try:
+            line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        except UnicodeDecodeError:
+            raise RlcliError(f"{name}: line {number}: not UTF-8 text; nothing written") from None
+        if line.strip():
+            yield number, line

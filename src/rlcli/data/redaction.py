@@ -41,6 +41,8 @@ NER_ENTITIES = ("PERSON", "LOCATION", "ORGANIZATION")
 # Placeholder names: short where Presidio's are long, the entity's own name elsewhere.
 LABELS = {"EMAIL_ADDRESS": "EMAIL", "PHONE_NUMBER": "PHONE", "IBAN_CODE": "IBAN"}
 PLACEHOLDER = re.compile(r"<([A-Z][A-Z0-9_]*?)_(\d+)>")
+MARK = ("\ue000", "\ue001")  # private-use characters around a marker's number, mid-redaction
+MARKED = re.compile(f"{MARK[0]}(\\d+){MARK[1]}")
 # Keys whose values are structure, not text: never redacted (an id, a role, a tool's name).
 STRUCTURE_KEYS = frozenset({"role", "type", "id", "tool_call_id", "name", "key", "source",
                             "origin", "finish_reason", "model", "index"})  # fmt: skip
@@ -173,13 +175,20 @@ class Redactor:
             return text
         from presidio_anonymizer.entities import OperatorConfig
 
+        # The anonymizer resolves overlaps and replaces from the end of the text; it writes
+        # markers, numbered here in reading order, so <EMAIL_1> is the first email one reads.
+        found: list[tuple[str, str]] = []
+
+        def mark(kind: str, value: str) -> str:
+            found.append((kind, value))
+            return f"{MARK[0]}{len(found) - 1}{MARK[1]}"
+
         operators = {
-            r.entity_type: OperatorConfig(
-                "custom", {"lambda": partial(conversation.placeholder, label(r.entity_type))}
-            )
+            r.entity_type: OperatorConfig("custom", {"lambda": partial(mark, label(r.entity_type))})
             for r in results
         }
-        return self.anonymizer.anonymize(text, results, operators=operators).text
+        marked = self.anonymizer.anonymize(text, results, operators=operators).text
+        return MARKED.sub(lambda m: conversation.placeholder(*found[int(m.group(1))]), marked)
 
 
 def _walk(node, visit):
