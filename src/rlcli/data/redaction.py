@@ -165,10 +165,13 @@ class Redactor:
     def redact_text(self, text: str, conversation: _Conversation) -> str:
         if not text.strip():
             return text
+        entities = _possible(text, self.entities)
+        if not entities:
+            return text
         kept = [(m.start(), m.end()) for m in PLACEHOLDER.finditer(text)]
         results = [
             r
-            for r in self.analyzer.analyze(text=text, language=LANGUAGE, entities=self.entities)
+            for r in self.analyzer.analyze(text=text, language=LANGUAGE, entities=entities)
             if not any(r.start < end and start < r.end for start, end in kept)
         ]
         if not results:
@@ -189,6 +192,30 @@ class Redactor:
         }
         marked = self.anonymizer.anonymize(text, results, operators=operators).text
         return MARKED.sub(lambda m: conversation.placeholder(*found[int(m.group(1))]), marked)
+
+
+# What a text must hold for a recognizer to find anything in it: each is a necessary condition
+# of that recognizer's own patterns (an email has an @, a card 12+ digits, a phone number that
+# ``phonenumbers`` calls valid 5+ ...), checked first because most strings hold none, and the
+# phone recognizer (8 regions, one ``phonenumbers`` pass each) is 3/4 of the time otherwise.
+# Entities not listed (a NER model's, any asked for by name) always run.
+def _digits(n: int):
+    return lambda text, digits: digits >= n
+
+
+NEEDS = {
+    "EMAIL_ADDRESS": lambda text, digits: "@" in text,
+    "PHONE_NUMBER": _digits(5),
+    "CREDIT_CARD": _digits(12),
+    "US_SSN": _digits(9),
+    "IBAN_CODE": _digits(8),
+    "IP_ADDRESS": lambda text, digits: digits >= 4 or ":" in text,
+}
+
+
+def _possible(text: str, entities: list[str]) -> list[str]:
+    digits = sum(c.isdigit() for c in text)
+    return [e for e in entities if e not in NEEDS or NEEDS[e](text, digits)]
 
 
 def _walk(node, visit):
