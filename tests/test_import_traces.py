@@ -219,3 +219,70 @@ def test_an_unanswered_tool_call_is_answered_from_the_tool_run_by_id_then_by_nam
     ]  # fmt: skip
     assert found.unmapped == {"LLM call with no answer recorded": 1,
                               "tool run matched to no tool call": 1}  # fmt: skip
+
+
+def _otlp_span(span_id, attributes, events=(), trace="ab" * 16):
+    def value(v):
+        return {"stringValue": v} if isinstance(v, str) else {"intValue": str(v)}
+
+    def attrs(d):
+        return [{"key": k, "value": value(v)} for k, v in d.items()]
+
+    return {
+        "traceId": trace, "spanId": span_id, "name": "chat", "startTimeUnixNano": "1",
+        "attributes": attrs(attributes),
+        "events": [{"name": n, "timeUnixNano": str(i), "attributes": attrs(a)}
+                   for i, (n, a) in enumerate(events)],
+    }  # fmt: skip
+
+
+def test_otel_span_events_and_the_details_event_carry_conversations_too():
+    """Three more places a conversation sits: message events as span events (attributes for a
+    body), the oldest gen_ai.content.prompt/completion events, and the
+    gen_ai.client.inference.operation.details event (the semconv attributes on a log record)."""
+    as_events = _otlp_span("s1", {"gen_ai.operation.name": "chat"}, [
+        ("gen_ai.user.message", {"content": "ping"}),
+        ("gen_ai.choice", {"index": 0, "finish_reason": "stop"}),  # body fields as attributes
+    ])  # fmt: skip
+    as_events["events"][1]["attributes"].append(
+        {"key": "message", "value": {"kvlistValue": {"values": [
+            {"key": "content", "value": {"stringValue": "pong"}}]}}}
+    )  # fmt: skip
+    prompt = json.dumps([{"role": "user", "content": "2+2?"}])
+    completion = json.dumps([{"role": "assistant", "content": "4"}])
+    oldest = _otlp_span(
+        "s2",
+        {"gen_ai.system": "openai"},
+        [("gen_ai.content.prompt", {"gen_ai.prompt": prompt}),
+         ("gen_ai.content.completion", {"gen_ai.completion": completion})],
+        trace="cd" * 16,
+    )  # fmt: skip
+    said = [("user", "hi"), ("assistant", "hello")]
+    parts = {
+        key: [{"role": who, "parts": [{"type": "text", "content": text}]}]
+        for key, (who, text) in zip(
+            ("gen_ai.input.messages", "gen_ai.output.messages"), said, strict=True
+        )
+    }
+    details = {
+        "eventName": "gen_ai.client.inference.operation.details",
+        "traceId": "ef" * 16,
+        "spanId": "s3",
+        "timeUnixNano": "5",
+        "attributes": [
+            {"key": k, "value": {"stringValue": json.dumps(v)}} for k, v in parts.items()
+        ],
+    }
+    lines = [
+        json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [as_events, oldest,
+            _otlp_span("s3", {"gen_ai.operation.name": "chat"}, trace="ef" * 16)]}]}]}),
+        json.dumps({"resourceLogs": [{"scopeLogs": [{"logRecords": [details]}]}]}),
+    ]  # fmt: skip
+    report = ImportReport()
+    rows = list(import_lines(lines, "otel", report=report))
+    assert report.errors == [] and not report.unmapped
+    assert [[(m["role"], m["content"]) for m in r["messages"]] for r in rows] == [
+        [("user", "ping"), ("assistant", "pong")],
+        [("user", "2+2?"), ("assistant", "4")],
+        [("user", "hi"), ("assistant", "hello")],
+    ]

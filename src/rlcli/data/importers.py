@@ -271,4 +271,4 @@ def _import_traces(
             continue
         report.written += 1
         yield {**row, "origin": {"format": fmt, "trace_id": trace, "call_id": call}}
-    report.unmapped.update(found.unmapped)
+    report.unmapped.update(+found.unmapped)  # + drops the kinds counted zero times
