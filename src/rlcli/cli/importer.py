@@ -47,7 +47,6 @@ def import_(
         raise RlcliError(f"--format {fmt}: unknown format; choose from {', '.join(ALL_FORMATS)}")
     if (entities or ner_model) and not redact:
         raise RlcliError("--entities and --ner-model choose what --redact removes: add --redact")
-    scrub = redactor(entities, ner_model) if redact else None
     if source == "-":
         lines, name = sys.stdin, "stdin"
     else:
@@ -55,6 +54,7 @@ def import_(
         if not path.is_file():
             raise RlcliError(f"{source}: no such file")
         lines, name = path.open(encoding="utf-8", errors="replace"), source
+    scrub = redactor(entities, ner_model) if redact else None  # loads Presidio: seconds
     report = ImportReport()
     rows = import_lines(
         lines, fmt, keep_tools=keep_tools, min_messages=min_messages, limit=limit, report=report
