@@ -148,10 +148,13 @@ def test_no_import_reaches_up_a_layer():
 
 def test_the_server_imports_no_client_code():
     """Outside server/: model names, the renderer choice (its OpenAI endpoint renders like
-    ``train``), the pins, the tinker:// rules, whole-file writes; never a cookbook hook."""
+    ``train``), the pins, the tinker:// rules, whole-file writes, PII redaction (``serve start
+    --capture --redact`` redacts what it records with the same library as ``rlcli redact``;
+    it imports nothing of the client's); never a cookbook hook."""
     allowed = ("rlcli.models.", "rlcli.compat.pins", "rlcli.compat.renderer_choice",
                "rlcli.compat.renderers", "rlcli.checkpoint_format", "rlcli.files.",
-               "rlcli.errors", "rlcli.home", "rlcli.versions")  # fmt: skip
+               "rlcli.errors", "rlcli.home", "rlcli.versions",
+               "rlcli.data.redaction")  # fmt: skip
     edges = imports(modules())
     reached = sorted(
         f"{module} -> {target}"

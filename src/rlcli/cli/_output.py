@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import sys
-from typing import Any
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
 
 import typer
 
@@ -66,3 +71,21 @@ def _table(console, header: list[str] | None, rows: list[list[str]], title, boxe
 def info(message: str) -> None:
     """Human progress/status lines go to stderr, so stdout stays clean for pipes and --json."""
     sys.stderr.write(message + "\n")
+
+
+@contextlib.contextmanager
+def whole_output(output: Path | None) -> Iterator[TextIO]:
+    """A file to write into that reaches ``output`` (replaced whole, ``files.atomic``) or
+    stdout only when the block ends without an error: a command that fails halfway (a
+    redaction that fails closed) leaves no part of its output anywhere."""
+    if output is not None:
+        from rlcli.files import atomic
+
+        output.parent.mkdir(parents=True, exist_ok=True)
+        with atomic.replacing(output) as tmp, tmp.open("w", encoding="utf-8") as f:
+            yield f
+        return
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as f:
+        yield f
+        f.seek(0)
+        shutil.copyfileobj(f, sys.stdout)

@@ -21,6 +21,7 @@ from rlcli.cli import (
     export,
     importer,
     models,
+    redact,
     runs,
     sample,
     serve,
@@ -51,6 +52,7 @@ app.command("chat")(sample.chat)
 export.register(app)
 demo.register(app)
 app.command("import")(importer.import_)
+app.command("redact")(redact.redact)
 tinker_passthrough.register(app)
 
 

@@ -1,8 +1,11 @@
-"""Turn chat logs (OpenAI, Anthropic, messages, ShareGPT dumps) into training JSONL.
+"""Turn chat logs (OpenAI, Anthropic, messages, ShareGPT dumps) and traces (LangSmith,
+Langfuse, OpenTelemetry GenAI) into training JSONL.
 
-Each format is one function from a parsed line to a list of ``{"role", "content"}`` messages;
-``import_lines`` runs one over a file, skips what cannot be trained on (and counts why), and
-reports bad lines by number.
+Each chat-log format is one function from a parsed line to a list of ``{"role", "content"}``
+messages; each trace format a reader that joins a file's lines into conversations
+(``rlcli.data.trace_imports``), rows with ``tools`` and ``feedback`` beside the messages.
+``import_lines`` runs either over a file, skips what cannot be trained on (and counts why),
+counts what a trace held that no row can (``unmapped``), and reports bad lines by number.
 """
 
 from __future__ import annotations
@@ -13,27 +16,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from rlcli.data.chat import LineError
+from rlcli.data.trace_imports import READERS, RECORDS
+from rlcli.data.trace_imports.assemble import assemble
+from rlcli.data.trace_imports.shaping import ROLE_ALIASES, FormatError
 
-ROLE_ALIASES = {
-    "human": "user",
-    "user": "user",
-    "ai": "assistant",
-    "assistant": "assistant",
-    "model": "assistant",
-    "bot": "assistant",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "system": "system",
-    "developer": "system",
-    "tool": "tool",
-    "function": "tool",
-    "function_response": "tool",
-    "observation": "tool",
-}
-
-
-class FormatError(ValueError):
-    """This line is not in the expected format; the message says what is missing."""
+__all__ = ["FORMATS", "ROLE_ALIASES", "FormatError", "ImportReport", "import_lines"]
 
 
 def _dig(row: dict, *paths: str):
@@ -188,18 +175,26 @@ FORMATS: dict[str, Callable[[dict, bool], list[dict]]] = {
 }
 
 
+# Every format ``rlcli import -f`` takes: chat logs line by line, then traces.
+ALL_FORMATS = (*FORMATS, *READERS)
+
+
 @dataclass
 class ImportReport:
     read: int = 0
     written: int = 0
     skipped: Counter = field(default_factory=Counter)
     errors: list[LineError] = field(default_factory=list)
+    unmapped: Counter = field(default_factory=Counter)
 
     def summary(self) -> str:
         parts = [f"read {self.read}", f"wrote {self.written}"]
         parts += [f"skipped {n} ({why})" for why, n in sorted(self.skipped.items())]
         if self.errors:
             parts.append(f"{len(self.errors)} bad lines")
+        unmapped = [f"{n} {what}" for what, n in sorted(self.unmapped.items()) if n]
+        if unmapped:
+            parts.append("not mapped: " + "; ".join(unmapped))
         return ", ".join(parts)
 
 
@@ -213,6 +208,9 @@ def import_lines(
     report: ImportReport,
 ) -> Iterator[dict]:
     """Yield ``{"messages": [...]}`` rows; bad lines and skips are recorded in ``report``."""
+    if fmt in READERS:
+        yield from _import_traces(lines, fmt, min_messages=min_messages, limit=limit, report=report)
+        return
     convert = FORMATS[fmt]
     for number, line in enumerate(lines, start=1):
         if limit is not None and report.written >= limit:
@@ -239,3 +237,38 @@ def import_lines(
             continue
         report.written += 1
         yield {"messages": messages}
+
+
+def _import_traces(
+    lines: Iterable[str], fmt: str, *, min_messages: int, limit: int | None, report: ImportReport
+) -> Iterator[dict]:
+    """A trace format: every line read first (a conversation's pieces may be on any line),
+    then one row per conversation with ``origin`` naming the trace and call it came from."""
+    reader = READERS[fmt]()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        report.read += 1
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise FormatError(f"expected a JSON object, got {type(row).__name__}")
+            reader.add(row, number)
+        except json.JSONDecodeError as e:
+            report.errors.append(LineError(number, f"not JSON ({e.msg} at column {e.colno})"))
+        except FormatError as e:
+            report.errors.append(LineError(number, f"not {RECORDS[fmt]}: {e}"))
+    found = reader.collected()
+    for row, trace, call in assemble(found):
+        if limit is not None and report.written >= limit:
+            break
+        messages = row["messages"]
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+            report.skipped["no assistant turn"] += 1
+            continue
+        if len(messages) < min_messages:
+            report.skipped[f"under {min_messages} messages"] += 1
+            continue
+        report.written += 1
+        yield {**row, "origin": {"format": fmt, "trace_id": trace, "call_id": call}}
+    report.unmapped.update(+found.unmapped)  # + drops the kinds counted zero times
