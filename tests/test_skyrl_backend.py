@@ -25,8 +25,8 @@ from rlcli.recipes import loss_guard
 def dry_run(home, *args, env=None):
     result = cli(
         "serve", "start", "--base-model", "org/model", "--port", "8765", "--dry-run", *args,
-        env={"RLCLI_HOME": str(home), **(env or {})},
-    )  # fmt: skip
+        env={"RLCLI_HOME": str(home), skyrl.CACHE_ENV: None, **(env or {})},
+    )  # fmt: skip  # CI exports the cache variable; None unsets it for the call
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
