@@ -319,8 +319,8 @@ DIFFERENCES = {
     "CPU with AVX512-BF16/AMX, else fp32; TRL follows the same rule (bf16=True: autocast "
     "over fp32 weights; else fp32)",
     "micro_batching": "rlcli: padded tokens per forward pass capped by --microbatch-tokens "
-    "(CPU default: 512 in fp32, in bf16 up to 4096 as half the free memory allows; no "
-    "gradient checkpointing), "
+    "(CPU default: 512 in fp32, 1024 in bf16, whose backward reads bf16 copies of the "
+    "activations; no gradient checkpointing), "
     "logprobs in chunks; TRL: one "
     "forward/backward over the whole 16-row (RL) or 8-row (SL) batch, gradient checkpointing "
     "on (its default)",

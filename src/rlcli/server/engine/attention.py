@@ -12,6 +12,9 @@ padded decode step ~50 ms less (``docs/server-engine.md``, "Sampling").
 documented ``AttentionInterface`` (masks built exactly as for ``sdpa``) and switches a CPU
 model that runs ``sdpa`` to it. Anything else (another device, no mask, no grouping) goes to
 transformers' own function unchanged.
+
+Both paths run inside ``activations.exact()``: in a bf16 CPU engine's training forward,
+attention keeps its float32 inputs for the backward (``activations.py`` says why).
 """
 
 from __future__ import annotations
