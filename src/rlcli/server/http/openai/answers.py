@@ -2,7 +2,9 @@
 ``chat.completion`` / ``text_completion`` from the engine's ``SampleOutput``, and the SSE chunks
 of a stream from the engine's partial results (``_Answer``), one ``TextStream`` per choice.
 ``Stream`` runs its ``on_close`` however the response ends, which is how a client that hangs
-up cancels its rows."""
+up cancels its rows. With tools, each choice's text also goes through a ``ToolText``: content
+streams until a tool call starts, each call is sent whole once it is complete, and a choice
+that made calls finishes with ``tool_calls``."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from rlcli.server.engine.sampling import SampleJob
 from rlcli.server.http.openai.text import ChatTokenizer, TextStream
+from rlcli.server.http.openai.tool_parsers import ToolCall, ToolParser, ToolText
 from rlcli.server.state.futures import Outcome
 from rlcli.server.state.sessions import ServerState
 
@@ -37,6 +40,8 @@ class Plan:
     stops: list[str]
     n: int
     include_usage: bool = False
+    tool_parser: ToolParser | None = None  # reads tool calls back (None: tools not asked for)
+    forced: str = ""  # text the prompt ends with that is the answer's start (tool_choice)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -84,6 +89,21 @@ def _usage(plan: Plan, choices: list[TextStream]) -> dict[str, int]:
     }
 
 
+def tool_texts(plan: Plan, count: int) -> list[ToolText | None]:
+    """One ``ToolText`` per choice where the answer is read for tool calls."""
+    if plan.tool_parser is None:
+        return [None] * count
+    return [ToolText(plan.tool_parser, plan.forced) for _ in range(count)]
+
+
+def finish_reason(reason: str | None, calls: list) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _call_deltas(calls: list[ToolCall], first: int) -> list[dict]:
+    return [{"index": first + k, **call.openai()} for k, call in enumerate(calls)]
+
+
 def whole(plan: Plan, text: ChatTokenizer, choices: list[TextStream], outputs) -> dict:
     """The non-streaming answer from the engine's ``SampleOutput`` per prompt."""
     out = []
@@ -107,7 +127,15 @@ def whole(plan: Plan, text: ChatTokenizer, choices: list[TextStream], outputs) -
                 stream.finish_reason = reason
             finish = stream.finish_reason or reason
             if plan.kind == "chat":
-                message = {"role": "assistant", "content": stream.text, "refusal": None}
+                content, calls = stream.text, []
+                if plan.tool_parser is not None:
+                    tools = ToolText(plan.tool_parser, plan.forced)
+                    content, calls = tools.push(stream.text, final=True)
+                message = {"role": "assistant", "content": content, "refusal": None}
+                if calls:
+                    message["content"] = content or None
+                    message["tool_calls"] = [call.openai() for call in calls]
+                finish = finish_reason(finish, calls)
                 out.append({"index": index, "message": message, "finish_reason": finish,
                             "logprobs": _logprobs_json(plan, entries, 0)})  # fmt: skip
             else:
@@ -156,6 +184,7 @@ class Answer:
         self.open = set(request_ids)  # requests not yet answered by the engine
         self.finished: set[int] = set()  # choices whose finish_reason was sent
         self.offsets = [0] * len(choices)
+        self.tools = tool_texts(plan, len(choices))
 
     def close(self, state: ServerState) -> None:
         for request_id in self.open:
@@ -175,7 +204,14 @@ class Answer:
         logprobs = _logprobs_json(self.plan, entries, self.offsets[index]) if entries else None
         self.offsets[index] += len(delta)
         if self.plan.kind == "chat":
-            body = {"content": delta} if delta or finish is None else {}
+            calls, tools = [], self.tools[index]
+            if tools is not None:
+                first = len(tools.emitted)
+                delta, calls = tools.push(delta, final=finish is not None)
+                finish = finish_reason(finish, tools.emitted)
+            body = {"content": delta} if delta or (finish is None and not calls) else {}
+            if calls:
+                body["tool_calls"] = _call_deltas(calls, first)
             return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish}
         return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
 

@@ -22,6 +22,7 @@ from fastapi import APIRouter, HTTPException
 
 from rlcli.server.engine import ops
 from rlcli.server.engine.sampling import SampleJob
+from rlcli.server.http.openai import tool_parsers
 from rlcli.server.http.openai.answers import Answer, Plan, Stream, whole
 from rlcli.server.http.openai.schemas import ChatCompletion, Completion, OpenAIError
 from rlcli.server.http.openai.text import ChatTokenizer, TextStream
@@ -190,15 +191,40 @@ def _job(
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletion, state: State):
     info, ref, text = await _accept(body, state)
-    prompt = text.chat_prompt(body.conversation())
+    parser, forced = _tool_setup(body, text)
+    prompt = text.chat_prompt(body.conversation(), body.tool_specs())
+    if forced:
+        prompt += text.encode(forced)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     cap = state.settings.max_sample_tokens
     job = _job(body, prompt, "messages", info, cap, body.limit, top)
     plan = Plan(
         "chat", body.model, [job], len(prompt), body.logprobs, top, body.stops, body.n,
-        body.include_usage,
+        body.include_usage, tool_parser=parser, forced=forced,
     )  # fmt: skip
     return await _answer(state, ref, text, plan)
+
+
+def _tool_setup(body: ChatCompletion, text: ChatTokenizer):
+    """The parser that reads this request's answer for tool calls (None: not read), and the
+    text that starts the answer where ``tool_choice`` demands a call. A field that needs tools
+    on a template without them is a 400 naming it."""
+    field = body.uses_tools()
+    if field and text.tool_parser is None:
+        families = ", ".join(tool_parsers.PARSERS)
+        raise OpenAIError(
+            f"{field}: this model's chat template has no tool support (it renders no tools, or "
+            f"writes calls in a format none of this server's parsers reads: {families})",
+            field.split(".")[0] if field == "tools" else field,
+        )
+    if not body.calls_wanted:
+        return None, ""
+    parser = text.tool_parser
+    if body.tool_choice == "required":
+        return parser, parser.forced(None)
+    if body.chosen_function:
+        return parser, parser.forced(body.chosen_function)
+    return parser, ""
 
 
 @router.post("/completions")
