@@ -2,6 +2,7 @@
 ``openai`` client against a real server of the tiny model with a Hermes/Qwen-style chat
 template (``rlcli models tiny --tools``).
 
+The server (conftest's ``tools_server``, shared with test_traces.py) captures what it serves.
 How the end-to-end tests stay honest: an untrained tiny model never writes a tool call, so a
 LoRA is first taught, through the unmodified Tinker SDK, on tokens rendered by the model's own
 chat template (the one the server renders with): to answer the weather question with a
@@ -17,29 +18,8 @@ import json
 import openai
 import pytest
 
-from conftest import cli, start_server
+from conftest import CALL, FINAL, QUESTION, WEATHER, get_weather
 from rlcli.server.http.openai.tool_parsers import PARSERS, ToolText, for_template
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
-QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-FINAL = "It is 18C and sunny."
-
-
-def get_weather(city: str) -> str:  # the local function the agent loop calls
-    return f"18C, sunny in {city}"
-
 
 # ---- parsers ----------------------------------------------------------------------------
 
@@ -100,72 +80,9 @@ def test_templates_pick_their_family():
 
 
 @pytest.fixture(scope="module")
-def tools_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("models") / "tiny-tools"
-    result = cli("models", "tiny", str(path), "--tools", "--json")
-    assert result.returncode == 0, result.stderr
-    return path
-
-
-@pytest.fixture(scope="module")
-def tools_server(tmp_path_factory, tools_model):
-    from rlcli.launch import process
-
-    home = tmp_path_factory.mktemp("tools-home")
-    record = start_server(home, tools_model)
-    yield record
-    process.stop(home)
-
-
-def teach_tool_use(base_url: str, model: str) -> str:
-    """A LoRA that calls get_weather for QUESTION and, given its output, answers FINAL; taught
-    on the chat template's own tokens through the Tinker SDK. Returns its sampler path."""
-    import tinker
-    from tinker import types
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}  # fmt: skip
-    turns = [
-        (QUESTION, {"role": "assistant", "content": "", "tool_calls": [call]}),
-        (
-            [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [call]},
-             {"role": "tool", "tool_call_id": "call_1", "content": get_weather("Paris")}],
-            {"role": "assistant", "content": FINAL},
-        ),
-    ]  # fmt: skip
-    data = []
-    for history, answer in turns:
-        render = dict(tools=[WEATHER], tokenize=True, return_dict=False)
-        prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, **render)
-        full = tokenizer.apply_chat_template([*history, answer], **render)
-        assert full[: len(prompt)] == prompt
-        full = full[: full.index(tokenizer.eos_token_id, len(prompt)) + 1]  # through <|im_end|>
-        weights = [0.0] * len(prompt) + [1.0] * (len(full) - len(prompt))
-        data.append(
-            types.Datum(
-                model_input=types.ModelInput.from_ints(full[:-1]),
-                loss_fn_inputs={"target_tokens": full[1:], "weights": weights[1:]},
-            )
-        )
-    service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
-    trainer = service.create_lora_training_client(base_model=model, rank=16, seed=0).result()
-    for _ in range(60):
-        trainer.forward_backward(data, "cross_entropy").result()
-        trainer.optim_step(types.AdamParams(learning_rate=5e-3)).result()
-    return trainer.save_weights_for_sampler("tool-user").result().path
-
-
-@pytest.fixture(scope="module")
 def client(tools_server):
     return openai.OpenAI(base_url=f"{tools_server.base_url}/v1", api_key="tml-dummy",
                          max_retries=0)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def tool_user(tools_server, tools_model):
-    return teach_tool_use(tools_server.base_url, str(tools_model))
 
 
 def agent_loop(client, model: str, **extra) -> tuple[list[dict], list]:

@@ -26,6 +26,7 @@ from rlcli.cli import (
     sample,
     serve,
     tinker_passthrough,
+    traces,
     train,
 )
 from rlcli.errors import Cancelled, RlcliError
@@ -47,6 +48,7 @@ app.add_typer(models.app, name="models")
 app.add_typer(train.app, name="train")
 app.add_typer(evaluate.app, name="eval")
 app.add_typer(runs.app, name="runs")
+app.add_typer(traces.app, name="traces")
 app.command("sample")(sample.sample)
 app.command("chat")(sample.chat)
 export.register(app)

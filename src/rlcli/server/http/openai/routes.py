@@ -19,10 +19,12 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, HTTPException
+from fastapi.responses import JSONResponse
 
+from rlcli import trace_format
 from rlcli.server.engine import ops
 from rlcli.server.engine.sampling import SampleJob
-from rlcli.server.http.openai import tool_parsers
+from rlcli.server.http.openai import record, tool_parsers
 from rlcli.server.http.openai.answers import Answer, Plan, Stream, whole
 from rlcli.server.http.openai.schemas import ChatCompletion, Completion, OpenAIError
 from rlcli.server.http.openai.text import ChatTokenizer, TextStream
@@ -202,7 +204,7 @@ async def chat_completions(body: ChatCompletion, state: State):
         "chat", body.model, [job], len(prompt), body.logprobs, top, body.stops, body.n,
         body.include_usage, tool_parser=parser, forced=forced,
     )  # fmt: skip
-    return await _answer(state, ref, text, plan)
+    return await _answer(state, ref, text, plan, record.recorder(state, body, ref))
 
 
 def _tool_setup(body: ChatCompletion, text: ChatTokenizer):
@@ -244,7 +246,7 @@ async def completions(body: Completion, state: State):
         "text", body.model, jobs, counted, body.logprobs is not None, body.logprobs or 0,
         body.stops, body.n, body.include_usage,
     )  # fmt: skip
-    return await _answer(state, ref, text, plan)
+    return await _answer(state, ref, text, plan, record.recorder(state, body, ref))
 
 
 async def _accept(body: ChatCompletion | Completion, state: ServerState):
@@ -254,7 +256,7 @@ async def _accept(body: ChatCompletion | Completion, state: ServerState):
     return info, _resolve_model(state, body.model), await tokenizer(state)
 
 
-async def _answer(state: ServerState, ref: SamplerRef, text: ChatTokenizer, plan: Plan):
+async def _answer(state: ServerState, ref: SamplerRef, text: ChatTokenizer, plan: Plan, recorder):
     events: asyncio.Queue = asyncio.Queue()
     request_ids = []
     for job in plan.jobs:
@@ -265,13 +267,23 @@ async def _answer(state: ServerState, ref: SamplerRef, text: ChatTokenizer, plan
         request_ids.append(request_id)
     ends = text.eos_ids | frozenset(plan.jobs[0].stop_tokens)  # tokens that end, not text
     choices = [TextStream(text.decode, plan.stops, ends) for _ in range(len(plan.jobs) * plan.n)]
+    headers = {trace_format.TRACE_ID_HEADER: plan.trace_id}
     if plan.jobs[0].stream:
         answer = Answer(plan, text, choices, request_ids)
-        return Stream(answer.events(events), on_close=lambda: answer.close(state))
+
+        def closed() -> None:
+            answer.close(state)
+            if recorder is not None:
+                recorder(plan, answer.results(), answer.status)
+
+        return Stream(answer.events(events), on_close=closed, headers=headers)
     outputs = []
     for request_id in request_ids:
         outputs.append(_result(await _wait(state, request_id)))
-    return whole(plan, text, choices, outputs)
+    response = whole(plan, text, choices, outputs)
+    if recorder is not None:
+        recorder(plan, plan.results, "ok")
+    return JSONResponse(response, headers=headers)
 
 
 async def _wait(state: ServerState, request_id: str) -> Outcome:
