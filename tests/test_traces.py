@@ -168,10 +168,11 @@ def test_traces_list_show_and_export_feed_train_sl(episode, tools_server, tools_
     assert by_id[answers[0].id]["answer"] == "It is 18C and sunny in Paris."
     assert by_id[answers[0].id]["question"] == "Weather in Paris?"
 
+    # `rlcli traces export --as sft | rlcli train sl --dataset -`, as imports are fed
     run = run_rlcli(
-        "train", "sl", "--dataset", str(sft), "--model", str(tools_model),
+        "train", "sl", "--dataset", "-", "--model", str(tools_model),
         "--base-url", tools_server.base_url, "--log-path", str(tmp_path / "run"),
-        "--batch-size", "2", "--max-steps", "2", "--json",
+        "--batch-size", "2", "--max-steps", "2", "--json", stdin=sft.read_text(),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout)["state_path"].startswith("tinker://")
@@ -238,7 +239,7 @@ def test_sigterm_writes_every_queued_record_redacted(tmp_path, tiny_model):
     text = "".join(f.read_text() for f in trace_format.files(folder, trace_format.TRACES))
     rows = [json.loads(line) for line in text.splitlines()]
     assert sorted(r["id"] for r in rows) == sorted(ids) and len(ids) == 12
-    assert "ada@example.com" not in text and "555" not in text
+    assert "ada@example.com" not in text and "415 555 0100" not in text
     assert rows[0]["messages"][0]["content"] == "Mail <EMAIL_1> or call <PHONE_1>."
     assert "prompt_token_ids" not in rows[0] and "token_ids" not in rows[0]["choices"][0]
     assert rows[0]["redacted"]["replaced"] == {"EMAIL": 1, "PHONE": 1}
@@ -252,12 +253,12 @@ def test_a_capture_folder_that_cannot_be_used_is_one_line_at_start(tmp_path, tin
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     result = run_rlcli(
-        "serve", "start", "--base-model", str(tiny_model), "--port", str(free_port()), "--capture-dir",
-        str(blocker / "traces"), env={"RLCLI_HOME": str(tmp_path / "home")},
+        "serve", "start", "--base-model", str(tiny_model), "--port", str(free_port()),
+        "--capture-dir", str(blocker / "traces"), env={"RLCLI_HOME": str(tmp_path / "home")},
     )  # fmt: skip
     assert result.returncode != 0
-    assert result.stderr.count("\n") == 1 and "--capture" in result.stderr, result.stderr
-    assert "cannot create the folder" in result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert "--capture" in error and "cannot create the folder (Not a directory)" in error
     monkeypatch.setattr(capture, "MIN_FREE_BYTES", 1 << 62)
     with pytest.raises(capture.CaptureError, match="the disk is full or nearly"):
         capture.Capture(tmp_path / "full")

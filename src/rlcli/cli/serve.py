@@ -186,7 +186,11 @@ def start(
         raise RlcliError("--api-key: tinker clients only send keys that start with 'tml-'")
     home = _home()
     # Every flag named like a field of the server's options goes to it as given.
-    same = {f.name: ctx.params[f.name] for f in fields(torch_backend.TorchServerOptions)}
+    same = {
+        f.name: ctx.params[f.name]
+        for f in fields(torch_backend.TorchServerOptions)
+        if not f.name.startswith("capture")  # resolved below
+    }
     checkpoints = (checkpoints_dir or home / "checkpoints").expanduser().resolve()
     resolved = {
         "base_model": torch_backend.check_base_model(base_model),
