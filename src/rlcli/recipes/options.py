@@ -27,6 +27,7 @@ CONFIG_FILE = "config.yaml"  # the cookbook writes its own config.json beside it
 BACKEND_LOSSES = {
     "torch": (
         "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo",
+        "ppo_critic",
     ),
     "jax": ("cross_entropy", "importance_sampling", "ppo", "cispo"),
     "fsdp": ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dppo", "ppo_critic"),
