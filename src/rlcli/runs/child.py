@@ -105,9 +105,11 @@ def _run(folder: Path) -> int:
             return  # no summary follows a cancel
         status(after if phase == "recipe finished" else phase, **fields)
 
-    from rlcli.compat import renderers
+    from rlcli.compat import renderers, tokenizers
 
     renderers.register()  # the model's own chat template, if the plan chose it
+    options = spec.get("options") or {}
+    tokenizers.register(options.get("model"), options.get("teacher"))
     run_hooks.install_cancel_hook(cancel_requested(folder), report)  # first: see run hooks
     run_hooks.install_run_hooks(report, seed=int((spec.get("options") or {}).get("seed") or 0))
     skyrl_client.release_adapters_at_exit()  # SkyRL holds a LoRA slot per client until its timeout
