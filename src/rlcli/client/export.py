@@ -293,7 +293,9 @@ class ExportOptions:
         "names the file. Llama (SmolLM2) and Qwen2/Qwen3 models.",
     )
     gguf_type: str = option(
-        "f16", "With --gguf: the weights' type.", choices=("f16", "bf16", "q8_0")
+        "f16",
+        "With --gguf: the weights' type (q4_0: 4-bit, by the gguf package's quantizer).",
+        choices=("f16", "bf16", "q8_0", "q4_0"),
     )
     base_model: str | None = option(
         None, "With --merge/--gguf: where to load the base model from (default: the checkpoint's)."
