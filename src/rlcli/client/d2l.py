@@ -81,3 +81,43 @@ class Hypernets:
             "session_key": session_key, "ttl_seconds": ttl_seconds, "pin": pin,
         }  # fmt: skip
         return self._post("/internalize", body)
+
+
+def read_document(document: str, stdin=None) -> str:
+    """A document file's text (``-``: stdin); one line when it is missing or unreadable."""
+    import sys
+    from pathlib import Path
+
+    if document == "-":
+        return (stdin or sys.stdin).read()
+    path = Path(document).expanduser()
+    if not path.is_file():
+        raise RlcliError(f"{document}: no such file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise RlcliError(f"{document}: not UTF-8 text") from None
+
+
+def internalize(
+    document: str, hypernet: str, *, base_url: str | None = None, name: str | None = None,
+    session_key: str | None = None, ttl_seconds: int | None = None, pin: bool = False,
+    stdin=None,
+) -> dict[str, Any]:  # fmt: skip
+    """``rlcli hypernet internalize``: a document file (or ``-``) into a sampler checkpoint
+    with one forward pass of ``hypernet`` on the server (``--base-url``, else the one found).
+    The checkpoint is sampled like any other (``rlcli sample --checkpoint PATH``, ``/v1``
+    with ``model=PATH``, export)."""
+    if not hypernet.startswith("tinker://"):
+        raise RlcliError(
+            f"--hypernet {hypernet}: a tinker://ID/hypernet_weights/NAME path (rlcli train d2l "
+            "prints it as hypernet_path)"
+        )
+    text = read_document(document, stdin)
+    if not text.strip():
+        raise RlcliError(f"{document}: the document is empty")
+    url, source = endpoint.resolve_base_url(base_url)
+    endpoint.check_server(url, source=source)
+    return Hypernets(url).internalize(
+        hypernet, text, name=name, session_key=session_key, ttl_seconds=ttl_seconds, pin=pin
+    )

@@ -276,9 +276,10 @@ class Hypernets:
             raise UserError(f"hypernet: {path} is a LoRA adapter, not a hypernetwork")
         record = json.loads((version / CONFIG_FILE).read_text())
         config = HypernetConfig.from_dict(record["config"])
-        if config.base_model != self.engine.base_model or config.n_layers != self.shape()[
-            "n_layers"
-        ]:
+        if (
+            config.base_model != self.engine.base_model
+            or config.n_layers != self.shape()["n_layers"]
+        ):
             raise UserError(
                 f"hypernet: {path} was trained on {config.base_model}; this server's base model "
                 f"is {self.engine.base_model}"

@@ -98,7 +98,8 @@ class Hypernet(nn.Module):
         # The reference's init: small enough that the first adapters are gentle.
         std = 0.5 / math.sqrt(d + out * r)
         self.head = nn.Parameter(torch.randn(n, d, out) * std)
-        self.bias_a = nn.Parameter(torch.randn(n, r, config.d_in) * 0.2 / math.sqrt(config.d_in * r))
+        a_std = 0.2 / math.sqrt(config.d_in * r)
+        self.bias_a = nn.Parameter(torch.randn(n, r, config.d_in) * a_std)
         self.bias_b = nn.Parameter(torch.zeros(n, r, config.hidden))
         self.scale_a = nn.Parameter(torch.ones(n, r, 1))
         self.scale_b = nn.Parameter(torch.zeros(n, r, 1))  # zero: a fresh hypernet is a no-op

@@ -203,7 +203,9 @@ async def internalize(body: Internalize, state: State):
         "public": False,
         "hypernet": body.hypernet,
     }
-    op = d2l_ops.Internalize(hypernet_id, directory, body.hypernet, body.document, str(target), meta)
+    op = d2l_ops.Internalize(
+        hypernet_id, directory, body.hypernet, body.document, str(target), meta
+    )
     out = await _run(state, op)
     return {**out, "reused": False, "expires_at": expires_at}
 
