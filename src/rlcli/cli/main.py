@@ -19,6 +19,7 @@ from rlcli.cli import (
     demo,
     evaluate,
     export,
+    hypernet,
     importer,
     models,
     redact,
@@ -47,6 +48,7 @@ app.add_typer(models.app, name="models")
 app.add_typer(train.app, name="train")
 app.add_typer(evaluate.app, name="eval")
 app.add_typer(runs.app, name="runs")
+app.add_typer(hypernet.app, name="hypernet")
 app.command("sample")(sample.sample)
 app.command("chat")(sample.chat)
 export.register(app)

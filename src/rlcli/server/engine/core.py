@@ -20,6 +20,7 @@ import torch
 
 from rlcli.models.tokenizer import end_of_turn_id
 from rlcli.server.engine import attention, decode_step, fused_lora, losses, precision
+from rlcli.server.engine.d2l import Hypernets
 from rlcli.server.engine.hardware import (
     activation_bytes_per_token,
     checkpoint_above,
@@ -170,6 +171,7 @@ class Engine(Training):
             MAX_LOADED_SAMPLERS,
             SNAPSHOTS_PER_CLIENT,
         )
+        self.hypernets = Hypernets(self)  # doc-to-LoRA hypernetworks on this base (d2l.py)
 
     # ---- adapters -----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
