@@ -16,6 +16,7 @@ import sys
 import typer
 
 from rlcli.cli import (
+    alias,
     demo,
     evaluate,
     export,
@@ -47,6 +48,7 @@ app.add_typer(models.app, name="models")
 app.add_typer(train.app, name="train")
 app.add_typer(evaluate.app, name="eval")
 app.add_typer(runs.app, name="runs")
+app.add_typer(alias.app, name="alias")
 app.command("sample")(sample.sample)
 app.command("chat")(sample.chat)
 export.register(app)
