@@ -9,10 +9,17 @@ import tinker
 import torch
 from tinker import types
 
-RL_LOSSES = ["importance_sampling", "ppo", "cispo", "dro", "gspo"]
+RL_LOSSES = ["importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo"]
 # Ratio bounds wide enough that some tokens clip and some do not at noise 0.05.
 WIDE_CLIP = {"clip_low_threshold": 0.97, "clip_high_threshold": 1.03}
-CONFIGS = {"ppo": WIDE_CLIP, "cispo": WIDE_CLIP, "gspo": WIDE_CLIP, "dro": {"beta": 0.5}}
+# dppo: probability bounds; the two-pass test sets them where some tokens move past them.
+CONFIGS = {
+    "ppo": WIDE_CLIP,
+    "cispo": WIDE_CLIP,
+    "gspo": WIDE_CLIP,
+    "dro": {"beta": 0.5},
+    "dppo": {"delta_low": 1e-4, "delta_high": 1e-4},
+}
 # lr / eps both large: Adam's first step becomes plain SGD, update = -(lr / eps) * grad,
 # so weights after one step reflect the whole gradient, not just its signs.
 SGD_LIKE = types.AdamParams(learning_rate=1e3, eps=1e6, beta1=0.9, beta2=0.95)
@@ -93,6 +100,12 @@ def _reference_loss(name: str, config: dict, logprobs_list, extras) -> torch.Ten
             ratio = torch.exp(seq_log_ratio + logp - logp.detach())
             clipped = ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
             total = total - torch.minimum(ratio * adv, clipped * adv).sum()
+        elif name == "dppo":  # SkyRL's dppo_policy_loss (Binary-TV), without its token mean
+            moved = torch.exp(logp.detach()) - torch.exp(sampler)
+            keep = torch.ones_like(adv)
+            keep[(adv > 0) & (moved > config["delta_high"])] = 0.0
+            keep[(adv < 0) & (-moved > config["delta_low"])] = 0.0
+            total = total - (torch.exp(logp - sampler) * adv * keep).sum()
         else:
             raise AssertionError(name)
     return total
@@ -156,7 +169,17 @@ def test_fused_loss_matches_two_pass_forward_backward_custom(
     for trainer in (fused, two_pass):
         trainer.forward_backward([_ce_datum(s) for s in seqs], "cross_entropy").result()
         trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    data, extras = _rl_batch(seqs, _forward_logprobs(fused, seqs), seed=7)
+    current = _forward_logprobs(fused, seqs)
+    data, extras = _rl_batch(seqs, current, seed=7)
+    if loss_fn == "dppo":  # bounds at the median probability move: half the tokens drop
+        moved = np.concatenate(
+            [
+                np.abs(np.exp(c) - np.exp(s.numpy()))[a.numpy() != 0]
+                for c, (s, a) in zip(current, extras, strict=True)
+            ]
+        )
+        median = float(np.median(moved))
+        config = {"delta_low": median, "delta_high": median}
 
     fused_out = fused.forward_backward(data, loss_fn, config or None).result()
     fused_norm = fused.optim_step(SGD_LIKE).result().metrics["grad_norm:mean"]
@@ -177,6 +200,9 @@ def test_fused_loss_matches_two_pass_forward_backward_custom(
     )
     assert fused_norm > 0
     assert fused_norm == pytest.approx(custom_norm, rel=1e-3)
+    if loss_fn == "dppo":  # the bounds drop some tokens and keep others
+        action_tokens = sum(int((adv != 0).sum()) for _, adv in extras)
+        assert 0 < fused_out.metrics["clipped_tokens:sum"] < action_tokens
     for a, b in zip(_forward_logprobs(fused, seqs), _forward_logprobs(two_pass, seqs), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-4)
 

@@ -21,6 +21,37 @@ from rlcli.runs.folder import SPEC
 
 CONFIG_FILE = "config.yaml"  # the cookbook writes its own config.json beside it
 
+# The losses each server backend computes (rlcli's torch server: every one; SkyRL 0.4.0: jax
+# serves four, fsdp/megatron add gspo, dppo and ppo_critic, none serves dro). The loss guard
+# checks against it; ``--loss``'s help is written from it.
+BACKEND_LOSSES = {
+    "torch": (
+        "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo",
+    ),
+    "jax": ("cross_entropy", "importance_sampling", "ppo", "cispo"),
+    "fsdp": ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dppo", "ppo_critic"),
+    "megatron": (
+        "cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dppo", "ppo_critic",
+    ),
+}  # fmt: skip
+# The policy losses a train command may name. Not ppo_critic: it trains a critic (a value
+# head), and the cookbook's RL loops have none.
+POLICY_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo")
+
+
+def _loss_help() -> str:
+    """``--loss``'s help: what each backend serves of the policy losses."""
+    served = []
+    for backend, names in BACKEND_LOSSES.items():
+        missing = [n for n in POLICY_LOSSES if n not in names]
+        if not missing:
+            served.append(f"{backend}: all")
+        elif len(missing) <= 2:
+            served.append(f"{backend}: all but {', '.join(missing)}")
+        else:
+            served.append(f"{backend}: {', '.join(n for n in POLICY_LOSSES if n in names)}")
+    return "Loss computed on the server; " + "; ".join(served) + "."
+
 
 @dataclass(kw_only=True)
 class TrainOptions:
@@ -68,8 +99,8 @@ class PolicyOptions(TrainOptions):
 
     loss: str = option(
         "importance_sampling",
-        "Loss computed on the server.",
-        choices=("importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo", "ppo_critic"),
+        _loss_help(),
+        choices=POLICY_LOSSES,
     )
     loss_config: str | None = option(
         None,

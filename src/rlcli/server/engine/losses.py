@@ -152,6 +152,27 @@ def gspo(logp, inputs, mask, config) -> LossResult:
     )
 
 
+def dppo(logp, inputs, mask, config) -> LossResult:
+    """DPPO (Binary-TV, SkyRL's ``dppo_policy_loss``, arXiv 2602.04879): the importance-
+    sampling surrogate ``-ratio * advantage``, with a token dropped (no gradient, no value)
+    where the policy's probability has already moved past a bound in the advantage's
+    direction: ``p - p_sampler > delta_high`` with a positive advantage, ``p_sampler - p >
+    delta_low`` with a negative one. Probabilities, not ratios: a rare token may move far in
+    ratio, a common one only a little. The mask is computed without gradient."""
+    w = _weights(inputs, mask)
+    adv = inputs["advantages"]
+    ratio, counts = _ratio(logp, inputs, mask, w)
+    with torch.no_grad():
+        sampler = torch.where(counts, inputs["logprobs"], 0.0)
+        moved = torch.exp(torch.where(counts, logp, 0.0)) - torch.exp(sampler)
+        dropped = ((adv > 0) & (moved > config["delta_high"])) | (
+            (adv < 0) & (-moved > config["delta_low"])
+        )
+        dropped = dropped & counts
+    objective = ratio * adv * (~dropped).float()
+    return _finish(-objective * w, clipped_tokens=dropped.float())
+
+
 # Sampler/trainer agreement, reported by every loss that receives the sampler's logprobs.
 # Names carry rlcli's prefix (no SDK or cookbook metric starts with it) and exactly one ':'
 # reduction suffix, which the SDK uses to merge chunked results (sum, max).
@@ -195,6 +216,12 @@ LOSSES: dict[str, LossSpec] = {
         required=("logprobs", "advantages"),
         optional=("weights", "sequence_ratio_mask"),
         defaults={"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
+    ),
+    # SkyRL's DPPOConfig defaults (0.2 for Binary-TV); its Tinker server takes the same keys.
+    "dppo": LossSpec(
+        dppo,
+        required=("logprobs", "advantages"),
+        defaults={"delta_low": 0.2, "delta_high": 0.2},
     ),
 }
 
