@@ -110,9 +110,11 @@ def test_refusals_are_one_line_and_change_nothing(served, zebra, home, tiny_mode
 
 
 def test_a_switch_under_concurrent_streams_never_mixes_checkpoints(served, zebra, tiny_model):
-    """16 streams of 16 tokens (EOS ignored) while the alias flips between the base model and
-    the zebra LoRA: each stream is exactly one side's greedy answer, the one its header names."""
-    kwargs = dict(messages=HELLO, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    """Two waves of 8 streams of 16 tokens (EOS ignored): the first starts on the base model,
+    the alias switches to the zebra LoRA while those streams are open (first chunk read, the
+    rest not), the second wave starts, the alias switches back; then all are read to the end.
+    Each stream is exactly its own checkpoint's greedy answer, the one its header names."""
+    kwargs = dict(messages=HELLO, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
     ai = client(served)
     reference = {
         str(tiny_model): ai.chat.completions.create(model=str(tiny_model), **kwargs),
@@ -121,26 +123,37 @@ def test_a_switch_under_concurrent_streams_never_mixes_checkpoints(served, zebra
     reference = {k: v.choices[0].message.content for k, v in reference.items()}
     assert len(set(reference.values())) == 2
     alias(served, "set", "flip", str(tiny_model))
-    seen, errors = [], []
+    seen, errors, release = [], [], threading.Event()
 
-    def stream():
+    def stream(started: threading.Semaphore):
         try:
             raw = ai.chat.completions.with_raw_response.create(model="flip", stream=True, **kwargs)
-            text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
-            seen.append((raw.headers["x-rlcli-checkpoint"], text))
+            chunks = iter(raw.parse())
+            text = [next(chunks).choices[0].delta.content or ""]
+            started.release()
+            release.wait()
+            text += [c.choices[0].delta.content or "" for c in chunks if c.choices]
+            seen.append((raw.headers["x-rlcli-checkpoint"], "".join(text)))
         except Exception as e:  # reported below, not lost in the thread
             errors.append(e)
+            started.release()
 
-    threads = [threading.Thread(target=stream) for _ in range(16)]
-    for t in threads:
-        t.start()
-    switches = 0
-    while any(t.is_alive() for t in threads):
-        target = zebra["sampler"] if switches % 2 == 0 else str(tiny_model)
+    threads = []
+    for target in (zebra["sampler"], str(tiny_model)):
+        started = threading.Semaphore(0)
+        wave = [threading.Thread(target=stream, args=(started,)) for _ in range(8)]
+        for t in wave:
+            t.start()
+        for _ in wave:
+            started.acquire()  # every stream of the wave is open
         assert alias(served, "set", "flip", target).returncode == 0
-        switches += 1
+        threads += wave
+    release.set()
+    for t in threads:
+        t.join()
     assert not errors, errors
-    assert len(seen) == 16 and switches >= 2
+    served_by = [checkpoint for checkpoint, _ in seen]
+    assert sorted(served_by) == sorted([str(tiny_model)] * 8 + [zebra["sampler"]] * 8)
     for checkpoint, text in seen:
         assert text == reference[checkpoint]
 

@@ -47,8 +47,7 @@ def set_(
     old one)."""
     from rlcli.client import aliases
 
-    emit(aliases.set_alias(_url(base_url), name, checkpoint, state=state, why=why),
-         as_json=as_json)  # fmt: skip
+    _emit(aliases.set_alias(_url(base_url), name, checkpoint, state=state, why=why), as_json)
 
 
 @app.command("list")
@@ -90,4 +89,9 @@ def rollback(
     """Serve an earlier version of NAME again (logged as a switch)."""
     from rlcli.client import aliases
 
-    emit(aliases.rollback(_url(base_url), name, to, why=why), as_json=as_json)
+    _emit(aliases.rollback(_url(base_url), name, to, why=why), as_json)
+
+
+def _emit(described: dict, as_json: bool) -> None:
+    emit(described if as_json else {**described, "updated": _when(described["updated"])},
+         as_json=as_json)  # fmt: skip

@@ -21,6 +21,7 @@ from rlcli.cli import (
     evaluate,
     export,
     importer,
+    learn,
     models,
     redact,
     runs,
@@ -49,6 +50,7 @@ app.add_typer(train.app, name="train")
 app.add_typer(evaluate.app, name="eval")
 app.add_typer(runs.app, name="runs")
 app.add_typer(alias.app, name="alias")
+app.add_typer(learn.app, name="learn")
 app.command("sample")(sample.sample)
 app.command("chat")(sample.chat)
 export.register(app)
