@@ -20,6 +20,7 @@ from rlcli.cli import (
     demo,
     evaluate,
     export,
+    hypernet,
     importer,
     learn,
     models,
@@ -51,6 +52,7 @@ app.add_typer(evaluate.app, name="eval")
 app.add_typer(runs.app, name="runs")
 app.add_typer(alias.app, name="alias")
 app.add_typer(learn.app, name="learn")
+app.add_typer(hypernet.app, name="hypernet")
 app.command("sample")(sample.sample)
 app.command("chat")(sample.chat)
 export.register(app)

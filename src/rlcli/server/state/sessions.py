@@ -79,6 +79,7 @@ class ModelRecord:
     base_model: str
     lora: dict[str, Any]
     user_metadata: dict[str, Any] = field(default_factory=dict)
+    critic: bool = False  # model_role "critic": a value head, trained with ppo_critic
     created: float = field(default_factory=time.time)
     last_request: float = field(default_factory=time.time)
     requests: int = 0  # operations queued for it (load_weights must be the first)
