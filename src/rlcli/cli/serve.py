@@ -49,7 +49,7 @@ def _capture_options(home: Path, capture, folder, tinker: bool, redact: bool) ->
 def start(
     ctx: typer.Context,
     base_model: str = typer.Option(
-        ..., "--base-model", "-m", help="Hub id (org/name) or a local model folder."
+        ..., "--base-model", "-m", help="Hub id (org/name), a local model folder or a .gguf file."
     ),
     backend: str = typer.Option(
         "torch",
@@ -155,6 +155,7 @@ def start(
 
     if backend not in BACKENDS:
         raise RlcliError(f"--backend {backend}: unknown backend; choose from {', '.join(BACKENDS)}")
+    process.check_port(port)
     process.check_exposure(host, api_key, insecure, takes_key=backend == "torch")
     if compile is not None and backend != "torch":
         flag = "--compile" if compile else "--no-compile"

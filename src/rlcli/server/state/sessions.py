@@ -22,6 +22,7 @@ from fastapi import Depends, HTTPException, Request
 from rlcli.home import rlcli_home
 from rlcli.models.names import resolve_model_name
 from rlcli.server.engine import ops
+from rlcli.server.state.aliases import Aliases
 from rlcli.server.state.capture import Capture
 from rlcli.server.state.engine_client import EngineClient, EngineUnavailable
 from rlcli.server.state.futures import FutureStore
@@ -83,6 +84,7 @@ class ModelRecord:
     base_model: str
     lora: dict[str, Any]
     user_metadata: dict[str, Any] = field(default_factory=dict)
+    critic: bool = False  # model_role "critic": a value head, trained with ppo_critic
     created: float = field(default_factory=time.time)
     last_request: float = field(default_factory=time.time)
     requests: int = 0  # operations queued for it (load_weights must be the first)
@@ -130,6 +132,7 @@ class ServerState:
                 redact=settings.capture_redact, tinker=settings.capture_tinker,
             )  # fmt: skip
         self.checkpoints_root.mkdir(parents=True, exist_ok=True)
+        self.aliases = Aliases(self.checkpoints_root)  # model names for served checkpoints
         self.tars = Archives(self.checkpoints_root / checkpoints.STAGING / "archives")
         self.chat_tokenizer: Any = None  # the OpenAI endpoint's (routes_openai.tokenizer)
         self.chat_tokenizer_lock = asyncio.Lock()

@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from rlcli.compat.renderer_choice import resolve_renderer
+from rlcli.models.tokenizer import load_tokenizer
 from rlcli.server.errors import UserError
 from rlcli.server.http.openai import tool_parsers
 
@@ -39,9 +40,7 @@ class ChatTokenizer:
     """The base model's tokenizer: chat prompts, plain prompts, and decoding."""
 
     def __init__(self, base_model: str, eos_ids: list[int]) -> None:
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(base_model)
+        self.tokenizer = load_tokenizer(base_model)
         self.eos_ids = frozenset(eos_ids)
         self.has_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.rlcli_renderer, self.agrees = _compare_with_renderer(base_model, self)
