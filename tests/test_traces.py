@@ -182,14 +182,33 @@ def test_traces_list_show_and_export_feed_train_sl(episode, tools_server, tools_
 
 
 def test_kill_9_mid_stream_leaves_only_whole_lines(tmp_path, tiny_model):
+    """Also --capture-tinker: an SDK sample is a line of its own."""
+    import tinker
+    from tinker import types
+
     from rlcli.launch import pids
 
     home, folder = tmp_path / "home", tmp_path / "traces"
-    record = start_server(home, tiny_model, capture=str(folder))
+    record = start_server(home, tiny_model, capture=str(folder), capture_tinker=True)
     url = f"{record.base_url}/v1/chat/completions"
     body = {"model": str(tiny_model), "messages": QUESTION, "max_tokens": 4}
     done = [httpx.post(url, json=body, timeout=60).json()["id"] for _ in range(5)]
+    service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
+    sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
+    drawn = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 2,
+                           types.SamplingParams(max_tokens=3, seed=1)).result()  # fmt: skip
     assert len(_records(folder, set(done))) == 5
+    samples: list[dict] = []
+    deadline = time.monotonic() + 60
+    while not samples and time.monotonic() < deadline:  # written once the engine answered
+        samples = [
+            r for r in trace_format.read(folder, "traces") if r["endpoint"] != "chat.completions"
+        ]
+        time.sleep(0.2)
+    (sample,) = samples
+    assert sample["endpoint"] == "tinker.sample"
+    assert sample["prompt_token_ids"] == [[5, 6, 7]]
+    assert [c["token_ids"] for c in sample["choices"]] == [s.tokens for s in drawn.sequences]
     started = threading.Event()
 
     def stream():
@@ -264,3 +283,19 @@ def test_a_capture_folder_that_cannot_be_used_is_one_line_at_start(tmp_path, tin
         capture.Capture(tmp_path / "full")
     refused = cli("serve", "start", "--base-model", str(tiny_model), "--redact")
     assert refused.returncode != 0 and "--redact: only with --capture" in refused.stderr
+
+
+def test_a_restarted_server_knows_the_traces_already_in_its_folder(tmp_path):
+    """Feedback for a trace captured before a restart: found in the files, not in memory."""
+    from rlcli.server.state.capture import Capture
+
+    first = Capture(tmp_path)
+    first.trace({"v": trace_format.VERSION, "id": "chatcmpl-old", "messages": [
+        {"role": "user", "content": 'a "id": "chatcmpl-inner", inside'}]})  # fmt: skip
+    first.close()
+    again = Capture(tmp_path)
+    assert again.has_trace("chatcmpl-old") and not again.has_trace("chatcmpl-inner")
+    again.add_feedback({"v": 1, "run_id": "chatcmpl-old", "key": "k"})
+    again.close()
+    assert len(trace_format.files(tmp_path, "traces")) == 2  # a new file per start
+    assert [v["run_id"] for v in trace_format.read(tmp_path, "feedback")] == ["chatcmpl-old"]

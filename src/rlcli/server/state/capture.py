@@ -53,10 +53,16 @@ class _Appender:
     def _open(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
-        self.seq += 1
-        name = trace_format.file_name(self.kind, self.started, os.getpid(), self.seq)
-        self.path = self.folder / name
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL, 0o600)
+        while True:  # a name never used before (a reused pid in the same second: the next)
+            self.seq += 1
+            name = trace_format.file_name(self.kind, self.started, os.getpid(), self.seq)
+            self.path = self.folder / name
+            try:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_EXCL
+                self.fd = os.open(self.path, flags, 0o600)
+                break
+            except FileExistsError:
+                continue
         self.size = 0
 
     def append(self, line: bytes) -> None:
@@ -139,10 +145,10 @@ class Capture:
         a thread: an old id is looked for in the files."""
         if trace_id in self.known:
             return True
-        needle = f'"id": {_dumps(trace_id)},'.encode()
+        needle = f'{{"v": {trace_format.VERSION}, "id": {_dumps(trace_id)},'.encode()
         for path in trace_format.files(self.folder, trace_format.TRACES):
             with path.open("rb") as f:
-                if any(needle in line for line in f):
+                if any(line.startswith(needle) for line in f):
                     return True
         return False
 
