@@ -469,6 +469,37 @@ def test_lora_alpha_reaches_the_adapter_and_survives_a_resume(
         ).result()
 
 
+def test_lora_targets_put_lora_on_the_chosen_layers_only(tmp_path, server, tiny_model, chat_file):
+    """--lora-targets attn: the server's adapter has LoRA on the attention projections alone
+    (the Tinker API's train_mlp / train_unembed off), and training moved them."""
+    from safetensors.torch import load_file
+
+    root = next(
+        p / "checkpoints" for p in Path(server.log_path).parents if (p / "checkpoints").is_dir()
+    )
+    result = quick(
+        "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+        "--base-url", server.base_url, "--log-path", str(tmp_path / "run"), "--batch-size", "16",
+        "--max-steps", "2", "--lora-rank", "4", "--lora-targets", "attn", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_id = json.loads(result.stdout)["state_path"].split("/")[2]
+    lora = json.loads((root / run_id / "run.json").read_text())["lora"]
+    assert (lora["train_attn"], lora["train_mlp"], lora["train_unembed"]) == (True, False, False)
+    final = root / run_id / "weights" / "final"
+    targets = json.loads((final / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(targets) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    weights = load_file(final / "adapter_model.safetensors")
+    assert weights and all(".self_attn." in k for k in weights)
+    assert any(float(v.abs().max()) > 0 for k, v in weights.items() if "lora_B" in k)
+    bad = quick(
+        "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+        "--base-url", server.base_url, "--lora-targets", "attn,embed", "--dry-run",
+    )  # fmt: skip
+    assert bad.returncode == 1
+    assert "--lora-targets 'attn,embed': a comma list of attn, mlp, unembed ('embed'" in bad.stderr
+
+
 def test_lora_alpha_is_refused_by_a_server_that_does_not_take_one():
     from rlcli.errors import RlcliError
     from rlcli.recipes.preflight import Server

@@ -304,12 +304,15 @@ def install_cancel_hook(cancel_requested, report) -> None:
     wrap(train_on_policy, sl=False)
 
 
-def send_lora_alpha(alpha: float | None) -> None:
+def send_lora_config(alpha: float | None, switches: dict[str, bool] | None = None) -> None:
     """Every LoRA training client this (child) process creates asks for ``alpha`` (``train
-    --lora-alpha``): in the request's ``user_metadata``, the one free-form field of the 0.38
-    client's create request (its ``LoraConfig`` has no alpha), which rlcli's server reads
-    (``server.schemas.LORA_ALPHA_METADATA``). The recipes pass ``user_metadata`` by keyword."""
-    if alpha is None:
+    --lora-alpha``) and the layer switches (``--lora-targets``: ``train_attn``, ``train_mlp``,
+    ``train_unembed``). The alpha goes in the request's ``user_metadata``, the one free-form
+    field of the 0.38 client's create request (its ``LoraConfig`` has no alpha), which rlcli's
+    server reads (``server.schemas.LORA_ALPHA_METADATA``); the switches are the create call's
+    own keywords. The recipes pass base model and rank only, ``user_metadata`` by keyword;
+    a restored client keeps its checkpoint's."""
+    if alpha is None and not switches:
         return
     import tinker
 
@@ -319,9 +322,11 @@ def send_lora_alpha(alpha: float | None) -> None:
         original = getattr(tinker.ServiceClient, name)
 
         def create(self, *args, _original=original, **kwargs):
-            if len(args) < 7:  # (base_model, rank, seed, mlp, attn, unembed, user_metadata)
-                metadata = dict(kwargs.get("user_metadata") or {})
+            if alpha is not None and len(args) < 7:  # (base_model, rank, seed, mlp, attn,
+                metadata = dict(kwargs.get("user_metadata") or {})  # unembed, user_metadata)
                 kwargs["user_metadata"] = {**metadata, LORA_ALPHA_METADATA: repr(float(alpha))}
+            if switches and len(args) < 4:
+                kwargs.update(switches)
             return _original(self, *args, **kwargs)
 
         setattr(tinker.ServiceClient, name, create)

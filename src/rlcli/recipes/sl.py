@@ -57,6 +57,9 @@ class SLOptions(TrainOptions):
     eval_every: int = option(
         0, "Held-out loss every N steps too (needs --test-size; 0: at the end only).", min=0
     )
+    init_checkpoint: str | None = option(
+        None, "Start from this training state's weights (tinker://RUN/weights/NAME)."
+    )
 
 
 @dataclass
@@ -142,6 +145,10 @@ class SL(Recipe):
         )
         return plan, conversations
 
+    def check_server(self, server, opts: SLOptions, plan: SLPlan, report) -> str:
+        server.check_checkpoint(opts.init_checkpoint, "--init-checkpoint", "training")
+        return super().check_server(server, opts, plan, report)
+
     def resolved_fields(self, opts: SLOptions, plan: SLPlan, base_url: str) -> dict:
         return {"dataset": plan.dataset_path}
 
@@ -170,6 +177,7 @@ class SL(Recipe):
         return train.Config(
             **self.cookbook_kwargs(spec),
             dataset_builder=builder,
+            load_checkpoint_path=opts.get("init_checkpoint"),
             lr_schedule=opts["lr_schedule"],  # after warmup: run_hooks.install_lr_warmup
             num_epochs=opts["epochs"],
             eval_every=opts["eval_every"],  # and once more at the end (run_in_child)
