@@ -20,6 +20,7 @@ from rlcli.cli import (
     evaluate,
     export,
     importer,
+    internalize,
     models,
     redact,
     runs,
@@ -45,6 +46,7 @@ app = typer.Typer(
 app.add_typer(serve.app, name="serve")
 app.add_typer(models.app, name="models")
 app.add_typer(train.app, name="train")
+internalize.register(app)
 app.add_typer(evaluate.app, name="eval")
 app.add_typer(runs.app, name="runs")
 app.command("sample")(sample.sample)

@@ -14,7 +14,9 @@ REGISTRY = {  # the command's name -> "module:Recipe subclass"
     "dpo": "rlcli.recipes.dpo:DPO",
     "opsd": "rlcli.recipes.opsd:Opsd",
     "harbor": "rlcli.recipes.harbor:Harbor",
+    "internalize": "rlcli.recipes.internalize:Internalize",  # its own command, rlcli internalize
 }
+TRAIN = ("sl", "rl", "dpo", "opsd", "harbor")  # the recipes that are `rlcli train NAME`
 
 
 def get(name: str):
