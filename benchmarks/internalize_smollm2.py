@@ -56,7 +56,8 @@ def make_document(n_facts: int, filler_words: int, seed: int) -> tuple[str, list
     """A document of ``n_facts`` facts spread through about ``filler_words`` words of filler,
     and the facts (name, kind, value, the held-out question)."""
     rng = random.Random(seed)
-    names = [f"{a} {b}" for a, b in zip(rng.sample(FIRST, n_facts), rng.sample(LAST, n_facts))]
+    firsts, lasts = rng.sample(FIRST, n_facts), rng.sample(LAST, n_facts)
+    names = [f"{a} {b}" for a, b in zip(firsts, lasts, strict=True)]
     facts = []
     for i, name in enumerate(names):
         if i % 2 == 0:
@@ -116,6 +117,30 @@ async def ask_all(service, render, model: str, jobs: list[tuple]) -> list[str]:
     return await asyncio.gather(*(one(*job) for job in jobs))
 
 
+POLICIES = ("base", "in_context", "internalized", "control")
+
+
+async def ask_facts(service, render, model, facts, text, adapter, control) -> list[dict]:
+    """Every fact's held-out question, answered by each of ``POLICIES``, scored."""
+    jobs = []
+    for fact in facts:
+        q = fact["question"]
+        jobs += [(None, q, None), (None, q, text), (adapter, q, None), (control, q, None)]
+    said = await ask_all(service, render, model, jobs)
+    rows = []
+    for j, fact in enumerate(facts):
+        answers = dict(zip(POLICIES, said[4 * j : 4 * j + 4], strict=True))
+        rows.append(
+            {
+                "question": fact["question"],
+                "expected": fact["value"],
+                "answers": answers,
+                "correct": {k: correct(v, fact["value"]) for k, v in answers.items()},
+            }
+        )
+    return rows
+
+
 def ntp_adapter(base_url: str, model: str, text: str, folder: Path, steps: int) -> str:
     """The next-token-prediction control: ``train sl`` on the document's text as one turn."""
     import rlcli
@@ -127,8 +152,15 @@ def ntp_adapter(base_url: str, model: str, text: str, folder: Path, steps: int) 
     data.write_text("\n".join([json.dumps(row)] * 8) + "\n")
     outcome = rlcli.train(
         SLOptions(
-            dataset=str(data), model=model, base_url=base_url, log_path=str(folder / "ntp"),
-            batch_size=1, max_steps=steps, lr=5e-4, lora_rank=16, save_every=0,
+            dataset=str(data),
+            model=model,
+            base_url=base_url,
+            log_path=str(folder / "ntp"),
+            batch_size=1,
+            max_steps=steps,
+            lr=5e-4,
+            lora_rank=16,
+            save_every=0,
         )  # fmt: skip
     )
     return outcome.summary["sampler_path"]
@@ -165,7 +197,8 @@ def main() -> None:
         model = str(smollm2_folder(Path(model)))
     counts = [int(x) for x in args.facts.split(",")]
     fillers = [int(x) for x in args.filler.split(",")]
-    docs = [make_document(n, w, seed) for seed, (n, w) in enumerate(zip(counts, fillers, strict=True))]
+    pairs = zip(counts, fillers, strict=True)
+    docs = [make_document(n, w, seed) for seed, (n, w) in enumerate(pairs)]
     tmp = Path(tempfile.mkdtemp(prefix="internalize-bench-"))
     results: list[dict] = []
     with _receipt.local_server(model, tmp, dtype=args.dtype) as record:
@@ -180,9 +213,15 @@ def main() -> None:
             started = time.perf_counter()
             outcome = rlcli.internalize(
                 InternalizeOptions(
-                    documents=[str(path)], model=model, base_url=base_url,
-                    log_path=str(tmp / f"run{i}"), n_questions=6 * len(facts),
-                    targets=args.targets, epochs=args.epochs, lr=args.lr, lora_rank=args.rank,
+                    documents=[str(path)],
+                    model=model,
+                    base_url=base_url,
+                    log_path=str(tmp / f"run{i}"),
+                    n_questions=6 * len(facts),
+                    targets=args.targets,
+                    epochs=args.epochs,
+                    lr=args.lr,
+                    lora_rank=args.rank,
                     test_size=0.1,
                 )  # fmt: skip
             )
@@ -190,8 +229,11 @@ def main() -> None:
             adapters.append(outcome.summary["sampler_path"])
             results.append(
                 {
-                    "document": i, "facts": len(facts), "words": len(text.split()),
-                    "seconds": seconds, "steps": outcome.plan.steps,
+                    "document": i,
+                    "facts": len(facts),
+                    "words": len(text.split()),
+                    "seconds": seconds,
+                    "steps": outcome.plan.steps,
                     "train_probes": outcome.plan.train_probes,
                     "command_receipt": outcome.summary["receipt"]["scores"],
                 }  # fmt: skip
@@ -199,24 +241,18 @@ def main() -> None:
             print(f"document {i}: {len(facts)} facts, {seconds:.0f}s", flush=True)
         for i, (text, facts) in enumerate(docs):
             control = adapters[(i + 1) % len(docs)]
-            jobs = []
-            for fact in facts:
-                q = fact["question"]
-                jobs += [(None, q, None), (None, q, text), (adapters[i], q, None), (control, q, None)]
-            said = asyncio.run(ask_all(service, render, model, jobs))
-            rows = []
-            for j, fact in enumerate(facts):
-                answers = dict(zip(("base", "in_context", "internalized", "control"), said[4 * j : 4 * j + 4], strict=True))  # noqa: E501
-                rows.append({"question": fact["question"], "expected": fact["value"], "answers": answers,
-                             "correct": {k: correct(v, fact["value"]) for k, v in answers.items()}})  # fmt: skip
+            rows = asyncio.run(ask_facts(service, render, model, facts, text, adapters[i], control))
             if args.ntp_control:
                 ntp = ntp_adapter(base_url, model, text, tmp / f"ntp{i}", steps=results[i]["steps"])
-                ntp_said = asyncio.run(ask_all(service, render, model, [(ntp, f["question"], None) for f in facts]))  # noqa: E501
+                jobs = [(ntp, f["question"], None) for f in facts]
+                ntp_said = asyncio.run(ask_all(service, render, model, jobs))
                 for row, answer_text, fact in zip(rows, ntp_said, facts, strict=True):
                     row["answers"]["control_ntp"] = answer_text
                     row["correct"]["control_ntp"] = correct(answer_text, fact["value"])
             names = rows[0]["correct"].keys()
-            results[i]["scores"] = {k: sum(r["correct"][k] for r in rows) / len(rows) for k in names}
+            results[i]["scores"] = {
+                k: sum(r["correct"][k] for r in rows) / len(rows) for k in names
+            }
             results[i]["questions"] = rows
             print(f"document {i}: {results[i]['scores']}", flush=True)
     total = sum(r["facts"] for r in results)

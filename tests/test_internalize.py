@@ -26,11 +26,10 @@ def document(tmp_path_factory):
     return folder / "facts.md"
 
 
-def _error(result) -> str:
+def _error(result, lines: int = 1) -> str:
     assert result.returncode != 0, result.stdout
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
+    assert len(result.stderr.strip().splitlines()) == lines, result.stderr
+    return result.stderr
 
 
 def test_dry_run_plans_without_a_server(tiny_model, document, tmp_path):
@@ -64,11 +63,13 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_model, document, tmp_path
     assert "no such file" in _error(cli("internalize", tmp_path / "missing.md", *common))
     bad = tmp_path / "questions.jsonl"
     bad.write_text('{"question": "Where does Orla live?", "answer": "Lisbon"}\nnot json\n')
-    line = _error(cli("internalize", document, *common, "--questions", bad))
-    assert str(bad) in line and "line 2" in line
+    # data files are checked as train's are: one line naming the file, then each bad line
+    said = _error(cli("internalize", document, *common, "--questions", bad), lines=2)
+    assert f"--questions {bad}: 1 of 2 lines" in said and "line 2: not JSON" in said
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"answer": "Lisbon"}\n')
-    assert '"question"' in _error(cli("internalize", document, *common, "--questions", rows))
+    said = _error(cli("internalize", document, *common, "--questions", rows), lines=2)
+    assert 'line 1: "question" is missing' in said
     small = _error(cli("internalize", document, *common, "--context-window", "64"))
     assert "--context-window 64: too small" in small
     assert "missing DOCUMENTS" in _error(cli("internalize", "--model", tiny_model))
@@ -87,7 +88,7 @@ def test_internalize_end_to_end_cli(server, tiny_model, document, tmp_path):
     )  # fmt: skip
     result = run_rlcli(
         "internalize", document, "--model", tiny_model, "--base-url", server.base_url,
-        "--log-path", run_dir, "--questions", questions, "--json", *FAST,
+        "--log-path", run_dir, "--questions", questions, "--json", "--test-size", "0", *FAST,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
@@ -95,7 +96,7 @@ def test_internalize_end_to_end_cli(server, tiny_model, document, tmp_path):
     assert summary["state_path"].startswith("tinker://")
     receipt = summary["receipt"]
     assert receipt == json.loads((run_dir / "receipt.json").read_text())
-    assert receipt["held_out"] >= 1
+    assert receipt["held_out"] == 1  # --test-size 0: only the row marked held_out
     assert set(receipt["scores"]) == {"base", "in_context", "internalized", "control"}
     assert any(p["question"] == "Where was Tobias born?" for p in receipt["probes"])
     probe = receipt["probes"][0]
