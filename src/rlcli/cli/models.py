@@ -42,6 +42,7 @@ def import_gguf(
     """Convert a GGUF model to a transformers folder (weights dequantized to float32)."""
     import importlib.util
 
+    from rlcli.models.gguf import check_gguf
     from rlcli.models.gguf import import_gguf as convert
 
     if not gguf_file.expanduser().is_file():
@@ -51,11 +52,8 @@ def import_gguf(
             "models import-gguf needs the gguf package, which is not installed: "
             "pip install 'rlcli[gguf]'"
         )
+    check_gguf(gguf_file)  # a corrupt file is one line before anything is written
     info(f"converting {gguf_file} ...")
-    try:
-        folder = convert(gguf_file, out)
-    except (ValueError, OSError, KeyError, RuntimeError) as e:  # not GGUF, unknown architecture
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise RlcliError(f"{gguf_file}: cannot convert ({type(e).__name__}: {first})") from None
+    folder = convert(gguf_file, out)
     serve = f"rlcli serve start --base-model {folder}"
     emit({"path": str(folder), "serve": serve}, as_json=as_json)

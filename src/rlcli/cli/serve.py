@@ -32,7 +32,7 @@ def _home() -> Path:
 def start(
     ctx: typer.Context,
     base_model: str = typer.Option(
-        ..., "--base-model", "-m", help="Hub id (org/name) or a local model folder."
+        ..., "--base-model", "-m", help="Hub id (org/name), a local model folder or a .gguf file."
     ),
     backend: str = typer.Option(
         "torch",
@@ -123,6 +123,7 @@ def start(
 
     if backend not in BACKENDS:
         raise RlcliError(f"--backend {backend}: unknown backend; choose from {', '.join(BACKENDS)}")
+    process.check_port(port)
     process.check_exposure(host, api_key, insecure, takes_key=backend == "torch")
     if compile is not None and backend != "torch":
         flag = "--compile" if compile else "--no-compile"

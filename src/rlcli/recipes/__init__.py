@@ -14,7 +14,11 @@ REGISTRY = {  # the command's name -> "module:Recipe subclass"
     "dpo": "rlcli.recipes.dpo:DPO",
     "opsd": "rlcli.recipes.opsd:Opsd",
     "harbor": "rlcli.recipes.harbor:Harbor",
+<<<<<<< HEAD
     "internalize": "rlcli.recipes.internalize:Internalize",  # its own command, rlcli internalize
+=======
+    "d2l": "rlcli.recipes.d2l:D2L",
+>>>>>>> main
 }
 TRAIN = ("sl", "rl", "dpo", "opsd", "harbor")  # the recipes that are `rlcli train NAME`
 
