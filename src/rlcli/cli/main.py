@@ -22,11 +22,8 @@ from rlcli.cli import (
     export,
     hypernet,
     importer,
-<<<<<<< HEAD
     internalize,
-=======
     learn,
->>>>>>> main
     models,
     redact,
     runs,

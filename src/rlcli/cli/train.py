@@ -65,11 +65,11 @@ def run_recipe_command(recipe, opts) -> None:
         emit(outcome.summary, as_json=opts.json, title="done")
 
 
-<<<<<<< HEAD
 def _percent(scores: dict) -> dict:
     names = ("base", "in_context", "internalized", "control")
     return {n: "-" if scores[n] is None else f"{100 * scores[n]:.0f}%" for n in names}
-=======
+
+
 def _estimate_rows(estimate: dict) -> dict:
     """The dry run's estimate for people: the time, its range and where it came from."""
     from rlcli.runs.timing import human
@@ -88,7 +88,6 @@ def _estimate_rows(estimate: dict) -> dict:
         rows["limit"] = estimate["max_minutes"]
     rows["uncertainty"] = estimate["note"]
     return rows
->>>>>>> main
 
 
 def _register(name: str) -> None:
