@@ -93,6 +93,26 @@ def test_gspo_default_clip_is_the_papers_narrow_range():
     assert config["clip_high_threshold"] == pytest.approx(1 + 4e-4)
 
 
+def test_dppo_drops_tokens_whose_probability_moved_past_delta_in_the_advantages_direction():
+    """SkyRL's Binary-TV rule, on chosen numbers: p - p_sampler past delta_high with a positive
+    advantage, or p_sampler - p past delta_low with a negative one, drops the token."""
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]])).requires_grad_(True)
+    sampler = torch.log(torch.tensor([[0.2, 0.45, 0.8, 0.2]]))
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    spec = losses.LOSSES["dppo"]
+    config = spec.resolve_config({"delta_low": 0.1, "delta_high": 0.1})
+    result = spec.fn(logp, {"logprobs": sampler, "advantages": adv}, mask, config)
+    # token 0 (+0.3 with A>0) and token 2 (-0.3 with A<0) are dropped; 1 and 3 stay
+    kept = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    ratio = torch.exp(logp.detach() - sampler)
+    assert torch.allclose(result.loss, -(ratio * adv * kept).sum())
+    assert result.metrics["clipped_tokens"] == 2
+    result.loss.backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 2] == 0 and logp.grad[0, 1] != 0
+    assert spec.resolve_config({}) == {"delta_low": 0.2, "delta_high": 0.2}
+
+
 def test_unknown_config_key_names_the_accepted_ones():
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['eps'\]; accepted: beta"):
         losses.LOSSES["dro"].resolve_config({"eps": 0.1})
@@ -117,6 +137,16 @@ def test_loss_guard_knows_what_each_backend_serves():
         loss_guard.check_backend_hint("megatron", "dro")
     with pytest.raises(RlcliError, match="--backend tpu: choose from torch, jax"):
         loss_guard.check_backend_hint("tpu", "ppo")
+
+
+def test_loss_help_says_what_each_backend_serves():
+    from rlcli.recipes.options import POLICY_LOSSES, _loss_help
+
+    assert _loss_help() == (
+        "Loss computed on the server; torch: all; jax: importance_sampling, ppo, cispo; "
+        "fsdp: all but dro; megatron: all but dro."
+    )
+    assert "ppo_critic" not in POLICY_LOSSES  # a critic's loss: the cookbook loops have none
 
 
 def test_sampling_filters_apply_top_k_and_top_p_per_row():

@@ -76,11 +76,20 @@ def test_guard_refuses_gspo_on_jax_before_anything_runs(tmp_path, tiny_model):
 
 
 def test_guard_refuses_a_loss_the_live_server_lacks(tmp_path, server, tiny_model):
-    result = quick(*small(server, tiny_model, tmp_path / "run", "--loss", "dppo"))
-    assert result.returncode == 1
-    assert "the torch backend cannot compute loss 'dppo'; it serves:" in result.stderr
-    assert "gspo" in result.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no rollout happened
+    """Our server serves every --loss choice (dppo included); a name it lists nowhere is
+    refused by the guard in one line, naming what it serves, before any rollout."""
+    from rlcli.errors import RlcliError
+    from rlcli.recipes import loss_guard
+    from rlcli.recipes.options import POLICY_LOSSES
+
+    for loss in POLICY_LOSSES:
+        assert loss_guard.check_server(server.base_url, loss, None, str(tiny_model)) == "torch"
+    with pytest.raises(RlcliError, match=r"the torch backend cannot compute loss 'stable_re"):
+        loss_guard.check_server(server.base_url, "stable_reinforce", None, str(tiny_model))
+    result = quick(*small(server, tiny_model, tmp_path / "run", "--loss", "ppo_critic"))
+    assert result.returncode != 0
+    assert "ppo_critic" in result.stderr and "dppo" in result.stderr  # the choices, listed
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_dry_run_needs_no_server_and_bad_flags_are_clear(tmp_path, tiny_model):
@@ -330,8 +339,10 @@ def test_probe_detects_a_loss_the_server_refuses(server, tiny_model):
     from rlcli.recipes import loss_guard
 
     loss_guard._probe(server.base_url, "ppo", "torch", str(tiny_model))  # served: no error
-    with pytest.raises(RlcliError, match=r"refused loss 'dppo' \(422\); losses it serves: cross"):
-        loss_guard._probe(server.base_url, "dppo", "jax", str(tiny_model))
+    with pytest.raises(
+        RlcliError, match=r"refused loss 'stable_reinforce' \(422\); losses it serves: cross"
+    ):
+        loss_guard._probe(server.base_url, "stable_reinforce", "jax", str(tiny_model))
 
 
 # ---- a reward function of the user's (--reward FILE.py:FUNCTION) ----------------------------

@@ -16,16 +16,21 @@ import sys
 import typer
 
 from rlcli.cli import (
+    alias,
     demo,
     evaluate,
     export,
+    hypernet,
     importer,
+    internalize,
+    learn,
     models,
     redact,
     runs,
     sample,
     serve,
     tinker_passthrough,
+    traces,
     train,
 )
 from rlcli.errors import Cancelled, RlcliError
@@ -45,8 +50,13 @@ app = typer.Typer(
 app.add_typer(serve.app, name="serve")
 app.add_typer(models.app, name="models")
 app.add_typer(train.app, name="train")
+internalize.register(app)
 app.add_typer(evaluate.app, name="eval")
 app.add_typer(runs.app, name="runs")
+app.add_typer(traces.app, name="traces")
+app.add_typer(alias.app, name="alias")
+app.add_typer(learn.app, name="learn")
+app.add_typer(hypernet.app, name="hypernet")
 app.command("sample")(sample.sample)
 app.command("chat")(sample.chat)
 export.register(app)

@@ -20,6 +20,9 @@ def tiny(
     seed: int = typer.Option(0, help="Seed for the weights and the tokenizer corpus."),
     hidden_size: int = typer.Option(64, help="Width of the model."),
     layers: int = typer.Option(2, help="Number of transformer layers."),
+    tools: bool = typer.Option(
+        False, "--tools", help="A chat template with tools (Hermes/Qwen <tool_call> style)."
+    ),
     as_json: bool = JSON,
 ) -> None:
     """Build a tiny Qwen3 model offline, for tests and smoke tests.
@@ -29,7 +32,7 @@ def tiny(
     from rlcli.models.tiny import build_tiny_model
 
     info(f"building a tiny model in {path} ...")
-    out = build_tiny_model(path, seed=seed, hidden_size=hidden_size, num_layers=layers)
+    out = build_tiny_model(path, seed=seed, hidden_size=hidden_size, num_layers=layers, tools=tools)
     emit({"path": str(out), "serve": f"rlcli serve start --base-model {out}"}, as_json=as_json)
 
 
@@ -42,6 +45,7 @@ def import_gguf(
     """Convert a GGUF model to a transformers folder (weights dequantized to float32)."""
     import importlib.util
 
+    from rlcli.models.gguf import check_gguf
     from rlcli.models.gguf import import_gguf as convert
 
     if not gguf_file.expanduser().is_file():
@@ -51,11 +55,8 @@ def import_gguf(
             "models import-gguf needs the gguf package, which is not installed: "
             "pip install 'rlcli[gguf]'"
         )
+    check_gguf(gguf_file)  # a corrupt file is one line before anything is written
     info(f"converting {gguf_file} ...")
-    try:
-        folder = convert(gguf_file, out)
-    except (ValueError, OSError, KeyError, RuntimeError) as e:  # not GGUF, unknown architecture
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise RlcliError(f"{gguf_file}: cannot convert ({type(e).__name__}: {first})") from None
+    folder = convert(gguf_file, out)
     serve = f"rlcli serve start --base-model {folder}"
     emit({"path": str(folder), "serve": serve}, as_json=as_json)

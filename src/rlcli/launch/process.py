@@ -172,6 +172,13 @@ def check_exposure(host: str, api_key: str | None, insecure: bool, takes_key: bo
     )
 
 
+def check_port(port: int, flag: str = "--port") -> None:
+    """A TCP port a server can listen on and a client can name: 1-65535. Port 0 would bind a
+    random port the record could not name; a larger one overflows ``bind``."""
+    if not 1 <= port <= 65535:
+        raise RlcliError(f"{flag} {port}: not a TCP port; choose one from 1 to 65535")
+
+
 def check_port_free(host: str, port: int) -> None:
     """Fail if something listens on ``host:port``.
 

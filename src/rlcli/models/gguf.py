@@ -37,12 +37,7 @@ def convert_gguf_cached(gguf_file: str | os.PathLike[str], report=None) -> Path:
     target = gguf_folder(source)
     if is_local_model(str(target)):
         return target
-    try:
-        import gguf  # noqa: F401  (transformers reads GGUF through it)
-    except ImportError:
-        raise RlcliError(
-            f"{gguf_file}: reading a .gguf needs the gguf package: pip install 'rlcli[gguf]'"
-        ) from None
+    check_gguf(gguf_file)
     if report:
         report(f"converting {source.name} into {target} (once; later runs reuse it)")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -67,22 +62,77 @@ def import_gguf(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str]) 
     """Convert a GGUF checkpoint (dequantized to float32) into a ``save_pretrained`` folder,
     which every part of the stack loads: the server, the SDK's tokenizer, the cookbook."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
     source = Path(gguf_file).expanduser().resolve()
-    if not source.is_file():
-        raise RlcliError(f"{gguf_file}: no such GGUF file")
+    check_gguf(gguf_file)
     target = Path(out).expanduser().resolve()
-    tokenizer = byte_level_as_plain(
-        AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, config=gguf_config(source)
-    )
+    verbosity = transformers_logging.get_verbosity()
+    # its GGUF reader warns about fields it fills with defaults; a failure is our one line
+    transformers_logging.set_verbosity_error()
+    try:
+        tokenizer = byte_level_as_plain(
+            AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, config=gguf_config(source)
+        )
+    except (ValueError, OSError, KeyError, IndexError, RuntimeError) as e:
+        # a well-formed GGUF transformers cannot read: an unknown architecture, missing fields
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise RlcliError(f"{gguf_file}: cannot convert ({type(e).__name__}: {first})") from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
     agree_special_tokens(tokenizer, model.config, model.generation_config)
     target.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(target)
     model.save_pretrained(target)
     return target
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf(gguf_file: str | os.PathLike[str]) -> None:
+    """Refuse, in one line naming the file, anything that is not a whole GGUF model: missing,
+    empty, another format, a truncated header, no architecture or no tensors, a tensor whose
+    data lies past the end. Every entry point that reads a user's ``.gguf`` (``serve start
+    --base-model``, ``models import-gguf``, a ``.gguf`` teacher) converts through here, so no
+    reader's IndexError or numpy ValueError reaches the user."""
+    path = Path(gguf_file).expanduser()
+    if not path.is_file():
+        raise RlcliError(f"{gguf_file}: no such GGUF file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if size == 0:
+        raise RlcliError(f"{gguf_file}: the file is empty, not a GGUF model")
+    if magic != GGUF_MAGIC:
+        raise RlcliError(
+            f"{gguf_file}: not a GGUF file (it starts with {magic!r}, a GGUF file with b'GGUF')"
+        )
+    try:
+        import gguf
+    except ImportError:
+        raise RlcliError(
+            f"{gguf_file}: reading a .gguf needs the gguf package: pip install 'rlcli[gguf]'"
+        ) from None
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader's numpy views fail in many ways on a cut file
+        raise RlcliError(
+            f"{gguf_file}: truncated or corrupt GGUF ({size} bytes; the reader says: "
+            f"{type(e).__name__}: {str(e)[:120]})"
+        ) from None
+    if "general.architecture" not in reader.fields:
+        raise RlcliError(f"{gguf_file}: a GGUF header without general.architecture (not a model)")
+    if not reader.tensors:
+        raise RlcliError(f"{gguf_file}: a GGUF file without tensors (not a model)")
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise RlcliError(
+                f"{gguf_file}: tensor {tensor.name} lies past the end of the file ({size} bytes)"
+            )
 
 
 def gguf_config(source: Path):

@@ -12,24 +12,7 @@ from rlcli.client import endpoint
 from rlcli.errors import RlcliError
 from rlcli.home import rlcli_home
 from rlcli.launch import process
-
-CHOICES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo", "ppo_critic")
-BACKEND_LOSSES = {
-    "torch": ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"),
-    # SkyRL 0.4.0: jax serves four; fsdp/megatron add gspo, dppo, ppo_critic; none serve dro.
-    "jax": ("cross_entropy", "importance_sampling", "ppo", "cispo"),
-    "fsdp": ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dppo", "ppo_critic"),
-    "megatron": (
-        "cross_entropy",
-        "importance_sampling",
-        "ppo",
-        "cispo",
-        "gspo",
-        "dppo",
-        "ppo_critic",
-    ),  # fmt: skip
-}
-
+from rlcli.recipes.options import BACKEND_LOSSES
 
 SKYRL_BACKENDS = ("jax", "fsdp", "megatron")
 CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")

@@ -21,6 +21,38 @@ from rlcli.runs.folder import SPEC
 
 CONFIG_FILE = "config.yaml"  # the cookbook writes its own config.json beside it
 
+# The losses each server backend computes (rlcli's torch server: every one; SkyRL 0.4.0: jax
+# serves four, fsdp/megatron add gspo, dppo and ppo_critic, none serves dro). The loss guard
+# checks against it; ``--loss``'s help is written from it.
+BACKEND_LOSSES = {
+    "torch": (
+        "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo",
+        "ppo_critic",
+    ),
+    "jax": ("cross_entropy", "importance_sampling", "ppo", "cispo"),
+    "fsdp": ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dppo", "ppo_critic"),
+    "megatron": (
+        "cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dppo", "ppo_critic",
+    ),
+}  # fmt: skip
+# The policy losses a train command may name. Not ppo_critic: it trains a critic (a value
+# head), and the cookbook's RL loops have none.
+POLICY_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo")
+
+
+def _loss_help() -> str:
+    """``--loss``'s help: what each backend serves of the policy losses."""
+    served = []
+    for backend, names in BACKEND_LOSSES.items():
+        missing = [n for n in POLICY_LOSSES if n not in names]
+        if not missing:
+            served.append(f"{backend}: all")
+        elif len(missing) <= 2:
+            served.append(f"{backend}: all but {', '.join(missing)}")
+        else:
+            served.append(f"{backend}: {', '.join(n for n in POLICY_LOSSES if n in names)}")
+    return "Loss computed on the server; " + "; ".join(served) + "."
+
 
 @dataclass(kw_only=True)
 class TrainOptions:
@@ -36,9 +68,22 @@ class TrainOptions:
         "rlcli's server). rlcli's torch server only: the Tinker API carries no alpha.",
         gt=0,
     )
+    lora_targets: str | None = option(
+        None,
+        "Layers LoRA trains: a comma list of attn, mlp, unembed (the Tinker API's train_attn, "
+        "train_mlp, train_unembed; default: all three).",
+    )
     lr: float = option(1e-4, "Learning rate.", flags=("--learning-rate",), gt=0)
     save_every: int = option(20, "Checkpoint every N steps (0: only at the end).", min=0)
     max_steps: int | None = option(None, "Stop after this many steps.", min=1)
+    max_minutes: float | None = option(
+        None,
+        "Stop cleanly after M minutes (fractions too): at the first step boundary past the "
+        "limit, with a checkpoint; exit 0. The resume command it prints continues the run "
+        "(with no limit unless given again).",
+        gt=0,
+        saved=False,
+    )
     seed: int = option(
         0, "Seed for data order, LoRA initialisation and rollouts (same seed, same run).", min=0
     )
@@ -52,7 +97,14 @@ class TrainOptions:
     config: str | None = option(
         None, "YAML or TOML file of options (flags override it).", saved=False
     )
-    dry_run: bool = option(False, "Print the plan; contact no server.", saved=False)
+    dry_run: bool = option(
+        False,
+        "Print the plan and an estimate of the wall time: from an earlier run of the same "
+        "settings on the same server, else a calibration of a few steps on the server if one "
+        "answers (no run folder is written).",
+        saved=False,
+    )
+    no_estimate: bool = option(False, "With --dry-run: the plan only, no estimate.", saved=False)
     detach: bool = option(
         False,
         "Check everything, then run in the background: print the run id and log, return at "
@@ -68,8 +120,8 @@ class PolicyOptions(TrainOptions):
 
     loss: str = option(
         "importance_sampling",
-        "Loss computed on the server.",
-        choices=("importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo", "ppo_critic"),
+        _loss_help(),
+        choices=POLICY_LOSSES,
     )
     loss_config: str | None = option(
         None,
@@ -93,6 +145,24 @@ class PolicyOptions(TrainOptions):
         None, "KL reference: a tinker://.../sampler_weights/... checkpoint (default: base model)."
     )
     eval_every: int = option(0, "Evaluate every N steps (0: never).", min=0)
+
+
+LORA_TARGETS = ("attn", "mlp", "unembed")
+
+
+def lora_switches(targets: str | None) -> dict[str, bool] | None:
+    """``--lora-targets`` as the Tinker API's switches (``train_attn``, ...); None: the
+    server's default. One line naming the flag for an unknown or empty list."""
+    if targets is None:
+        return None
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    unknown = [n for n in names if n not in LORA_TARGETS]
+    if unknown or not names:
+        raise RlcliError(
+            f"--lora-targets {targets!r}: a comma list of {', '.join(LORA_TARGETS)}"
+            + (f" ({unknown[0]!r} is none of them)" if unknown else "")
+        )
+    return {f"train_{t}": t in names for t in LORA_TARGETS}
 
 
 def write_config(run_dir: Path, opts, command: str) -> Path:
@@ -134,11 +204,13 @@ def folder_command(run_dir: Path) -> tuple[str, dict[str, Any]] | None:
             settings = yaml.safe_load(text)
         except yaml.YAMLError:
             settings = None
-        if command.startswith("rlcli train ") and isinstance(settings, dict):
+        if command.startswith(("rlcli train ", "rlcli internalize")) and isinstance(settings, dict):
             return command, settings
     try:
         spec = json.loads((Path(run_dir) / SPEC).read_text())
-        return f"rlcli train {spec['recipe']}", dict(spec["options"])
+        from rlcli import recipes
+
+        return recipes.get(spec["recipe"]).command, dict(spec["options"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

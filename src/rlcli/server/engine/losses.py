@@ -152,6 +152,45 @@ def gspo(logp, inputs, mask, config) -> LossResult:
     )
 
 
+def dppo(logp, inputs, mask, config) -> LossResult:
+    """DPPO (Binary-TV, SkyRL's ``dppo_policy_loss``, arXiv 2602.04879): the importance-
+    sampling surrogate ``-ratio * advantage``, with a token dropped (no gradient, no value)
+    where the policy's probability has already moved past a bound in the advantage's
+    direction: ``p - p_sampler > delta_high`` with a positive advantage, ``p_sampler - p >
+    delta_low`` with a negative one. Probabilities, not ratios: a rare token may move far in
+    ratio, a common one only a little. The mask is computed without gradient."""
+    w = _weights(inputs, mask)
+    adv = inputs["advantages"]
+    ratio, counts = _ratio(logp, inputs, mask, w)
+    with torch.no_grad():
+        sampler = torch.where(counts, inputs["logprobs"], 0.0)
+        moved = torch.exp(torch.where(counts, logp, 0.0)) - torch.exp(sampler)
+        dropped = ((adv > 0) & (moved > config["delta_high"])) | (
+            (adv < 0) & (-moved > config["delta_low"])
+        )
+        dropped = dropped & counts
+    objective = ratio * adv * (~dropped).float()
+    return _finish(-objective * w, clipped_tokens=dropped.float())
+
+
+def ppo_critic(values, inputs, mask, config) -> LossResult:
+    """PPO's value loss (SkyRL's ``ppo_critic_loss``) for a critic training client: its first
+    argument is the critic's values [B, T], not logprobs. ``values`` in the inputs are the
+    values at rollout time, ``returns`` the targets; a new value may move at most
+    ``value_clip`` from the old one before the clipped term takes over:
+    ``0.5 * max((old + clip(v - old) - R)^2, (v - R)^2)``, summed like every loss here
+    (SkyRL averages per sequence, then over the batch)."""
+    w = _weights(inputs, mask)
+    old, returns = inputs["values"], inputs["returns"]
+    clip = config["value_clip"]
+    clipped = old + (values - old).clamp(-clip, clip)
+    surr_clipped, surr = (clipped - returns) ** 2, (values - returns) ** 2
+    return _finish(
+        0.5 * torch.maximum(surr_clipped, surr) * w,
+        clipped_tokens=((surr_clipped > surr) & mask & (w != 0)).float(),
+    )
+
+
 # Sampler/trainer agreement, reported by every loss that receives the sampler's logprobs.
 # Names carry rlcli's prefix (no SDK or cookbook metric starts with it) and exactly one ':'
 # reduction suffix, which the SDK uses to merge chunked results (sum, max).
@@ -196,7 +235,18 @@ LOSSES: dict[str, LossSpec] = {
         optional=("weights", "sequence_ratio_mask"),
         defaults={"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
     ),
+    # SkyRL's DPPOConfig defaults (0.2 for Binary-TV); its Tinker server takes the same keys.
+    "dppo": LossSpec(
+        dppo,
+        required=("logprobs", "advantages"),
+        defaults={"delta_low": 0.2, "delta_high": 0.2},
+    ),
+    # A critic's loss (training clients created with model_role "critic"); SkyRL's default.
+    "ppo_critic": LossSpec(
+        ppo_critic, required=("values", "returns"), defaults={"value_clip": 0.2}
+    ),
 }
+CRITIC_LOSSES = ("ppo_critic", "ppo")  # what a critic accepts ("ppo": SkyRL routes it so)
 
 
 # Losses tinker 0.38 names that this server does not compute, and what to use instead.
@@ -207,11 +257,36 @@ NOT_SERVED = {
 }
 
 
+def critic_config(loss_fn: str, given: dict[str, float]) -> dict[str, float]:
+    """A critic's resolved ``ppo_critic`` config for a request naming ``loss_fn``; ValueError
+    naming the field for a loss a critic does not train with. ``ppo`` is accepted as SkyRL
+    accepts it (the SDK's loss names have no ``ppo_critic``), its ratio clips ignored."""
+    if loss_fn not in CRITIC_LOSSES:
+        raise ValueError(
+            f"loss_fn: {loss_fn!r} is a policy loss; a critic training client (model_role "
+            f"'critic') trains with {' or '.join(CRITIC_LOSSES)}"
+        )
+    if loss_fn == "ppo":
+        given = {
+            k: v for k, v in given.items() if k not in ("clip_low_threshold", "clip_high_threshold")
+        }
+    return LOSSES["ppo_critic"].resolve_config(given)
+
+
 def unknown_loss_message(name: str) -> str:
     supported = ", ".join(sorted(LOSSES))
     if name in NOT_SERVED:
         return f"loss_fn: {name!r} is not served here ({NOT_SERVED[name]}); supported: {supported}"
     return f"loss_fn: unknown loss {name!r}; supported: {supported}"
+
+
+# Several short examples packed into one datum (``train sl --pack``): the segment each position
+# belongs to (0, 1, ...; non-decreasing). A position attends only to its own segment's earlier
+# positions and counts its position from its segment's start, so each example computes exactly
+# what it would alone. Sent as one more loss_fn_inputs array, the only per-token channel of a
+# Tinker datum; rlcli's own (the capabilities say so), checked in ``http/tinker/validate.py``,
+# applied in ``training.packed_attention``.
+PACKING_INPUT = "rlcli_segment_ids"
 
 
 def default_input(name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:

@@ -7,8 +7,9 @@ the running batch. ``stream: true`` answers server-sent events from that loop as
 drawn (``SampleJob.stream``: the engine sends each step's tokens before the reply); a client
 that goes away cancels its requests, and the engine drops their rows before its next step.
 Errors, here and in ``app.py`` for every ``/v1`` path, have OpenAI's shape
-(``{"error": {"message", "type", "param", "code"}}``). ``model`` is the base model or a
-``tinker://.../sampler_weights/...`` path the server holds.
+(``{"error": {"message", "type", "param", "code"}}``). ``model`` is the base model, a
+``tinker://.../sampler_weights/...`` path the server holds, or an alias (``state/aliases.py``),
+resolved once per request; the ``x-rlcli-checkpoint`` header names the checkpoint that answered.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, HTTPException
+from fastapi.responses import JSONResponse
 
+from rlcli import trace_format
 from rlcli.server.engine import ops
 from rlcli.server.engine.sampling import SampleJob
+from rlcli.server.http.openai import record, tool_parsers
 from rlcli.server.http.openai.answers import Answer, Plan, Stream, whole
 from rlcli.server.http.openai.schemas import ChatCompletion, Completion, OpenAIError
 from rlcli.server.http.openai.text import ChatTokenizer, TextStream
@@ -35,6 +39,7 @@ log = logging.getLogger("rlcli.server")
 
 router = APIRouter(prefix="/v1")
 
+CHECKPOINT_HEADER = "x-rlcli-checkpoint"  # the checkpoint that answered (an alias's, resolved)
 POLL_S = 30.0  # a non-streaming answer is awaited in windows of this (it never times out)
 
 
@@ -59,6 +64,19 @@ async def _models(state: ServerState) -> list[dict[str, Any]]:
     text = await tokenizer(state)
     base = state.settings.base_model
     out = [
+        {
+            "id": alias["name"],
+            "object": "model",
+            "created": int(alias["updated"]),
+            "owned_by": "rlcli",
+            "root": alias["base_model"],
+            "parent": alias["checkpoint"],
+            "max_model_len": info["max_context"],
+            "alias_version": alias["current"],
+        }
+        for alias in state.aliases.listing()
+    ]
+    out += [
         {
             "id": base,
             "object": "model",
@@ -90,8 +108,9 @@ async def _models(state: ServerState) -> list[dict[str, Any]]:
 
 def _unknown_model(state: ServerState, model: str) -> OpenAIError:
     return OpenAIError(
-        f"model: {model!r} is not served here (the base model {state.settings.base_model!r} or "
-        "a tinker://.../sampler_weights/... path this server holds; GET /v1/models lists them)",
+        f"model: {model!r} is not served here (the base model {state.settings.base_model!r}, "
+        "an alias or a tinker://.../sampler_weights/... path this server holds; GET /v1/models "
+        "lists them)",
         "model",
         404,
         "model_not_found",
@@ -99,6 +118,21 @@ def _unknown_model(state: ServerState, model: str) -> OpenAIError:
 
 
 def _resolve_model(state: ServerState, model: str) -> SamplerRef:
+    """The checkpoint a request samples from, decided once: an alias is read here, so every
+    row of the request uses the version it named when the request arrived."""
+    version = state.aliases.resolve(model)
+    if version is not None:
+        try:
+            return _resolve_served(state, version["checkpoint"])
+        except OpenAIError as e:
+            raise OpenAIError(
+                f"model: alias {model!r} names {version['checkpoint']}, which this server no "
+                f"longer holds ({e})", "model", 404, "model_not_found",
+            ) from None  # fmt: skip
+    return _resolve_served(state, model)
+
+
+def _resolve_served(state: ServerState, model: str) -> SamplerRef:
     if model.startswith("tinker://"):
         try:
             return _sampler_ref(state, model, None, None)
@@ -190,15 +224,40 @@ def _job(
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletion, state: State):
     info, ref, text = await _accept(body, state)
-    prompt = text.chat_prompt(body.conversation())
+    parser, forced = _tool_setup(body, text)
+    prompt = text.chat_prompt(body.conversation(), body.tool_specs())
+    if forced:
+        prompt += text.encode(forced)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     cap = state.settings.max_sample_tokens
     job = _job(body, prompt, "messages", info, cap, body.limit, top)
     plan = Plan(
         "chat", body.model, [job], len(prompt), body.logprobs, top, body.stops, body.n,
-        body.include_usage,
+        body.include_usage, tool_parser=parser, forced=forced,
     )  # fmt: skip
-    return await _answer(state, ref, text, plan)
+    return await _answer(state, ref, text, plan, record.recorder(state, body, ref))
+
+
+def _tool_setup(body: ChatCompletion, text: ChatTokenizer):
+    """The parser that reads this request's answer for tool calls (None: not read), and the
+    text that starts the answer where ``tool_choice`` demands a call. A field that needs tools
+    on a template without them is a 400 naming it."""
+    field = body.uses_tools()
+    if field and text.tool_parser is None:
+        families = ", ".join(tool_parsers.PARSERS)
+        raise OpenAIError(
+            f"{field}: this model's chat template has no tool support (it renders no tools, or "
+            f"writes calls in a format none of this server's parsers reads: {families})",
+            field.split(".")[0] if field == "tools" else field,
+        )
+    if not body.calls_wanted:
+        return None, ""
+    parser = text.tool_parser
+    if body.tool_choice == "required":
+        return parser, parser.forced(None)
+    if body.chosen_function:
+        return parser, parser.forced(body.chosen_function)
+    return parser, ""
 
 
 @router.post("/completions")
@@ -218,7 +277,7 @@ async def completions(body: Completion, state: State):
         "text", body.model, jobs, counted, body.logprobs is not None, body.logprobs or 0,
         body.stops, body.n, body.include_usage,
     )  # fmt: skip
-    return await _answer(state, ref, text, plan)
+    return await _answer(state, ref, text, plan, record.recorder(state, body, ref))
 
 
 async def _accept(body: ChatCompletion | Completion, state: ServerState):
@@ -228,7 +287,7 @@ async def _accept(body: ChatCompletion | Completion, state: ServerState):
     return info, _resolve_model(state, body.model), await tokenizer(state)
 
 
-async def _answer(state: ServerState, ref: SamplerRef, text: ChatTokenizer, plan: Plan):
+async def _answer(state: ServerState, ref: SamplerRef, text: ChatTokenizer, plan: Plan, recorder):
     events: asyncio.Queue = asyncio.Queue()
     request_ids = []
     for job in plan.jobs:
@@ -239,13 +298,26 @@ async def _answer(state: ServerState, ref: SamplerRef, text: ChatTokenizer, plan
         request_ids.append(request_id)
     ends = text.eos_ids | frozenset(plan.jobs[0].stop_tokens)  # tokens that end, not text
     choices = [TextStream(text.decode, plan.stops, ends) for _ in range(len(plan.jobs) * plan.n)]
+    headers = {
+        trace_format.TRACE_ID_HEADER: plan.trace_id,
+        CHECKPOINT_HEADER: ref.model_path or ref.base_model,
+    }
     if plan.jobs[0].stream:
         answer = Answer(plan, text, choices, request_ids)
-        return Stream(answer.events(events), on_close=lambda: answer.close(state))
+
+        def closed() -> None:
+            answer.close(state)
+            if recorder is not None:
+                recorder(plan, answer.results(), answer.status)
+
+        return Stream(answer.events(events), on_close=closed, headers=headers)
     outputs = []
     for request_id in request_ids:
         outputs.append(_result(await _wait(state, request_id)))
-    return whole(plan, text, choices, outputs)
+    response = whole(plan, text, choices, outputs)
+    if recorder is not None:
+        recorder(plan, plan.results, "ok")
+    return JSONResponse(response, headers=headers)
 
 
 async def _wait(state: ServerState, request_id: str) -> Outcome:
