@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from rlcli.checkpoint_format import parse_checkpoint_ttl
 from rlcli.models.names import resolve_model_name
 
 
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-sample-tokens", type=int, default=16384)
     parser.add_argument("--max-body-mb", type=_positive_float, default=256.0)
     parser.add_argument("--max-upload-gb", type=_positive_float, default=16.0)
+    parser.add_argument("--checkpoint-ttl", type=_checkpoint_ttl, default="client")
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -48,6 +50,14 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     sys.exit(app.state.exit_code)  # non-zero when the engine died: supervisors restart us
+
+
+def _checkpoint_ttl(text: str) -> str:
+    try:
+        parse_checkpoint_ttl(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _positive_int(text: str) -> int:

@@ -19,7 +19,8 @@ from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
 
-from rlcli.home import rlcli_home
+from rlcli import checkpoint_format
+from rlcli.home import checkpoints_dir
 from rlcli.models.names import resolve_model_name
 from rlcli.server.engine import ops
 from rlcli.server.state.engine_client import EngineClient, EngineUnavailable
@@ -49,6 +50,11 @@ class Settings:
     max_body_mb: float = 256.0  # any request body (after zstd), except restore uploads
     max_upload_gb: float = 16.0  # a restore upload (a LoRA state: adapter + AdamW moments)
     compile: bool | None = None  # compile the decode step; None: unless RLCLI_COMPILE=0
+    checkpoint_ttl: str = "client"  # --checkpoint-ttl (checkpoint_format.parse_checkpoint_ttl)
+
+    @property
+    def checkpoint_ttl_rule(self) -> str | float:
+        return checkpoint_format.parse_checkpoint_ttl(self.checkpoint_ttl)
 
     @property
     def max_body_bytes(self) -> int:
@@ -117,7 +123,7 @@ class ServerState:
         # Training clients of finished sessions: asked for again, they answer 410, not 404.
         self.finished_models: OrderedDict[str, str] = OrderedDict()
         self.archives: dict[str, tuple[Path, float]] = {}  # download token -> (name, expiry)
-        self.checkpoints_root = Path(settings.checkpoints_dir or rlcli_home() / "checkpoints")
+        self.checkpoints_root = Path(settings.checkpoints_dir or checkpoints_dir())
         self.checkpoints_root.mkdir(parents=True, exist_ok=True)
         self.tars = Archives(self.checkpoints_root / checkpoints.STAGING / "archives")
         self.chat_tokenizer: Any = None  # the OpenAI endpoint's (routes_openai.tokenizer)
