@@ -251,3 +251,95 @@ def test_sdk_tokenizer_loads_offline_from_get_info(service, tiny_model):
     assert info.lora_rank == 4
     assert trainer.get_tokenizer().eos_token == "<|im_end|>"
     assert isinstance(trainer, tinker.TrainingClient)
+
+
+# ---- a critic: model_role "critic", a value head trained with ppo_critic (SkyRL's) ---------
+
+
+def _critic(service, tiny_model, seed: int):
+    return service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=seed, user_metadata={"model_role": "critic"}
+    ).result()
+
+
+def _value_datums(seqs, old_values=None, returns=None) -> list[types.Datum]:
+    data = []
+    for i, seq in enumerate(seqs):
+        inputs = {"target_tokens": seq[1:]}
+        if old_values is not None:
+            # TensorData: the SDK converts lists only for the keys it knows
+            inputs["values"] = types.TensorData.from_numpy(np.asarray(old_values[i], np.float32))
+            inputs["returns"] = types.TensorData.from_numpy(np.asarray(returns[i], np.float32))
+        data.append(
+            types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs=inputs)
+        )
+    return data
+
+
+def _values(critic, seqs) -> list[np.ndarray]:
+    out = critic.forward(_value_datums(seqs), "ppo").result()  # as SkyRL's PPO example asks
+    return [np.asarray(o["values"].data, dtype=np.float64) for o in out.loss_fn_outputs]
+
+
+def test_ppo_critic_is_skyrls_clipped_value_loss_and_trains_the_values(
+    service, tiny_model, tokenizer
+):
+    """The loss on the server equals 0.5 * max((old + clip(v - old) - R)^2, (v - R)^2) summed,
+    computed here by hand from the values the critic's forward returned; steps move the values
+    toward the returns."""
+    seqs = _sequences(tokenizer)
+    critic = _critic(service, tiny_model, seed=11)
+    values = _values(critic, seqs)
+    assert [len(v) for v in values] == [len(s) - 1 for s in seqs]
+    rng = np.random.default_rng(0)
+    old = [(v + rng.normal(0, 0.3, v.shape)).astype(np.float32) for v in values]
+    returns = [rng.normal(1.0, 0.5, v.shape).astype(np.float32) for v in values]
+    clip = 0.2
+    expected, clipped_count = 0.0, 0
+    for v, o, r in zip(values, old, returns, strict=True):
+        surr_clipped = (o + np.clip(v - o, -clip, clip) - r) ** 2
+        surr = (v - r) ** 2
+        expected += 0.5 * np.maximum(surr_clipped, surr).sum()
+        clipped_count += int((surr_clipped > surr).sum())
+    data = _value_datums(seqs, old, returns)
+    out = critic.forward_backward(data, "ppo_critic", {"value_clip": clip}).result()
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+    assert 0 < out.metrics["clipped_tokens:sum"] == clipped_count
+    assert len(out.loss_fn_outputs[0]["values"].data) == len(seqs[0]) - 1
+    critic.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    error = [np.abs(v - r).mean() for v, r in zip(values, returns, strict=True)]
+    for _ in range(5):  # wide clip: the plain squared error toward the returns
+        critic.forward_backward(data, "ppo_critic", {"value_clip": 100.0}).result()
+        critic.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = [np.abs(v - r).mean() for v, r in zip(_values(critic, seqs), returns, strict=True)]
+    assert np.mean(after) < 0.7 * np.mean(error), (error, after)
+
+
+def test_a_critic_refuses_policy_work_and_restores_exactly(service, tiny_model, tokenizer):
+    from rlcli.server.http.tinker.schemas import CreateModel
+
+    seqs = _sequences(tokenizer, 3)
+    critic = _critic(service, tiny_model, seed=12)
+    policy = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    data, _ = _rl_batch(seqs, _forward_logprobs(policy, seqs))
+    with pytest.raises(Exception, match="critic training client .* trains with ppo_critic or ppo"):
+        critic.forward_backward(data, "importance_sampling").result()
+    values = _values(critic, seqs)
+    with pytest.raises(Exception, match="'ppo_critic' trains a critic; create the training"):
+        policy.forward_backward(_value_datums(seqs, values, values), "ppo_critic").result()
+    with pytest.raises(Exception, match="is a critic: it gives values, not tokens"):
+        critic.save_weights_and_get_sampling_client().result().sample(
+            types.ModelInput.from_ints(seqs[0][:3]), 1, types.SamplingParams(max_tokens=2)
+        ).result()
+    # Its checkpoint holds the value head: a client made from it (a critic, as its run was)
+    # gives the same values; a policy client (no value head) refuses it, naming the tensor.
+    path = critic.save_state("critic-ckpt").result().path
+    made = service.create_training_client_from_state(path).result()
+    for a, b in zip(_values(made, seqs), values, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    fresh = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    with pytest.raises(Exception, match="rlcli_value_head.weight"):
+        fresh.load_state(path).result()
+    # SkyRL's own spelling: the create_model body's model_role.
+    body = {"session_id": "s", "base_model": "m", "model_role": "critic"}
+    assert CreateModel.model_validate(body).model_role == "critic"

@@ -41,7 +41,7 @@ from rlcli.checkpoint_format import (
     TinkerPathError,
     parse_tinker_path,
 )
-from rlcli.client import endpoint
+from rlcli.client import endpoint, hub_push
 from rlcli.client.sample_chat import split_tinker_path
 from rlcli.errors import RlcliError
 from rlcli.flags import BASE_URL_HELP, option
@@ -338,7 +338,9 @@ class ExportOptions:
         "names the file. Llama (SmolLM2) and Qwen2/Qwen3 models.",
     )
     gguf_type: str = option(
-        "f16", "With --gguf: the weights' type.", choices=("f16", "bf16", "q8_0")
+        "f16",
+        "With --gguf: the weights' type (q4_0: 4-bit, by the gguf package's quantizer).",
+        choices=("f16", "bf16", "q8_0", "q4_0"),
     )
     base_model: str | None = option(
         None, "With --merge/--gguf: where to load the base model from (default: the checkpoint's)."
@@ -346,6 +348,12 @@ class ExportOptions:
     force: bool = option(
         False, "Replace an earlier export in the output folder (refused for any other folder)."
     )
+    push_to_hub: str | None = option(
+        None,
+        "Then upload what was written to this Hugging Face model repo (created if missing; "
+        "needs a token: hf auth login or HF_TOKEN).",
+    )
+    hub_private: bool = option(False, "With --push-to-hub: create the repo private.")
     checkpoints_dir: str | None = option(
         None,
         "Read the checkpoint from this folder (a server's --checkpoints-dir) instead of asking a "
@@ -379,18 +387,26 @@ def export_checkpoint(
     o = options
     if o.gguf_type != "f16" and not o.gguf:
         raise RlcliError("--gguf-type: only with --gguf")
+    if o.hub_private and not o.push_to_hub:
+        raise RlcliError("--hub-private: only with --push-to-hub REPO")
     check_flags(o.gguf, o.with_optimizer)
     check_source(path, o.with_optimizer)
+    if o.push_to_hub:  # everything that can refuse the push, before anything is written
+        hub_push.check(o.push_to_hub)
     origin = _origin(path, o, say)
     if o.gguf:
-        return export_gguf(
+        result = export_gguf(
             origin, path, out, gguf_type=o.gguf_type, base_model=o.base_model, force=o.force,
             say=say,
         )  # fmt: skip
-    return export(
-        origin, path, out, merge_model=o.merge, with_optimizer=o.with_optimizer,
-        base_model=o.base_model, force=o.force, say=say,
-    )  # fmt: skip
+    else:
+        result = export(
+            origin, path, out, merge_model=o.merge, with_optimizer=o.with_optimizer,
+            base_model=o.base_model, force=o.force, say=say,
+        )  # fmt: skip
+    if o.push_to_hub:
+        result["hub"] = hub_push.push(out, o.push_to_hub, private=o.hub_private, say=say)
+    return result
 
 
 def _origin(path: str, o: ExportOptions, say: Say) -> str | Path:

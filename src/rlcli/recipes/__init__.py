@@ -14,6 +14,7 @@ REGISTRY = {  # the command's name -> "module:Recipe subclass"
     "dpo": "rlcli.recipes.dpo:DPO",
     "opsd": "rlcli.recipes.opsd:Opsd",
     "harbor": "rlcli.recipes.harbor:Harbor",
+    "d2l": "rlcli.recipes.d2l:D2L",
 }
 
 

@@ -61,6 +61,7 @@ def train(
 def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
     if opts.wandb_project or opts.wandb_name:
         require_wandb(opts)
+    options.lora_switches(opts.lora_targets)  # a bad list is one line, before anything
 
     if opts.model:  # a .gguf becomes the folder it converts to (what the server serves)
         preflight.check_model_arg(opts.model)

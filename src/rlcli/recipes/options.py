@@ -27,6 +27,7 @@ CONFIG_FILE = "config.yaml"  # the cookbook writes its own config.json beside it
 BACKEND_LOSSES = {
     "torch": (
         "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "dppo",
+        "ppo_critic",
     ),
     "jax": ("cross_entropy", "importance_sampling", "ppo", "cispo"),
     "fsdp": ("cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dppo", "ppo_critic"),
@@ -66,6 +67,11 @@ class TrainOptions:
         "LoRA alpha: updates scale by alpha/rank (default: the server's, 32 on Tinker and on "
         "rlcli's server). rlcli's torch server only: the Tinker API carries no alpha.",
         gt=0,
+    )
+    lora_targets: str | None = option(
+        None,
+        "Layers LoRA trains: a comma list of attn, mlp, unembed (the Tinker API's train_attn, "
+        "train_mlp, train_unembed; default: all three).",
     )
     lr: float = option(1e-4, "Learning rate.", flags=("--learning-rate",), gt=0)
     save_every: int = option(20, "Checkpoint every N steps (0: only at the end).", min=0)
@@ -124,6 +130,24 @@ class PolicyOptions(TrainOptions):
         None, "KL reference: a tinker://.../sampler_weights/... checkpoint (default: base model)."
     )
     eval_every: int = option(0, "Evaluate every N steps (0: never).", min=0)
+
+
+LORA_TARGETS = ("attn", "mlp", "unembed")
+
+
+def lora_switches(targets: str | None) -> dict[str, bool] | None:
+    """``--lora-targets`` as the Tinker API's switches (``train_attn``, ...); None: the
+    server's default. One line naming the flag for an unknown or empty list."""
+    if targets is None:
+        return None
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    unknown = [n for n in names if n not in LORA_TARGETS]
+    if unknown or not names:
+        raise RlcliError(
+            f"--lora-targets {targets!r}: a comma list of {', '.join(LORA_TARGETS)}"
+            + (f" ({unknown[0]!r} is none of them)" if unknown else "")
+        )
+    return {f"train_{t}": t in names for t in LORA_TARGETS}
 
 
 def write_config(run_dir: Path, opts, command: str) -> Path:

@@ -20,6 +20,7 @@ import torch
 
 from rlcli.models.tokenizer import end_of_turn_id
 from rlcli.server.engine import attention, decode_step, fused_lora, losses, precision
+from rlcli.server.engine.d2l import Hypernets
 from rlcli.server.engine.hardware import (
     activation_bytes_per_token,
     checkpoint_above,
@@ -49,6 +50,8 @@ SPARE_SAMPLER_SLOTS = 4
 MAX_SNAPSHOTS = 16
 SNAPSHOTS_PER_CLIENT = 2
 SAMPLE_ROWS_PER_BATCH = 64  # rows (prompt x sample) decoded together
+# A critic's value head in its training checkpoint, beside peft's keys (none starts so).
+VALUE_HEAD_KEY = "rlcli_value_head.weight"
 
 
 def lora_layer_groups(model: torch.nn.Module) -> dict[str, set[str]]:
@@ -168,6 +171,7 @@ class Engine(Training):
             MAX_LOADED_SAMPLERS,
             SNAPSHOTS_PER_CLIENT,
         )
+        self.hypernets = Hypernets(self)  # doc-to-LoRA hypernetworks on this base (d2l.py)
 
     # ---- adapters -----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -203,7 +207,11 @@ class Engine(Training):
         train_attn: bool = True,
         train_unembed: bool = True,
         alpha: float | None = None,
+        critic: bool = False,
     ) -> dict[str, Any]:
+        """A training client's LoRA and AdamW. ``critic``: plus a value head (SkyRL's critic:
+        a bias-free float32 ``Linear(hidden, 1)`` on the final hidden states, initialised
+        normal with std 1/(hidden+1)), trained with ppo_critic; its forward gives values."""
         from peft import LoraConfig
 
         if name in self.adapters:
@@ -216,14 +224,21 @@ class Engine(Training):
             raise UserError("lora_config: no layers selected (train_mlp/attn/unembed all off?)")
         alpha = alpha or LORA_ALPHA
         config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets)
+        value_head = None
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
             self._add_peft_adapter(name, config)
+            if critic:
+                hidden = int(self.model.get_output_embeddings().weight.shape[1])
+                value_head = torch.nn.Linear(hidden, 1, bias=False, device=self.device)
+                torch.nn.init.normal_(value_head.weight, std=1 / (hidden + 1))
         params = [p for n, p in self.peft.named_parameters() if "lora_" in n and f".{name}." in n]
+        if value_head is not None:
+            params.append(value_head.weight)
         for p in params:
             p.requires_grad_(True)
         optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
-        self.adapters[name] = Adapter(name, rank, params, optimizer)
+        self.adapters[name] = Adapter(name, rank, params, optimizer, value_head=value_head)
         return {"model_id": name, "trainable_params": sum(p.numel() for p in params)}
 
     def remove_adapter(self, name: str) -> dict[str, Any]:
@@ -343,6 +358,14 @@ class Engine(Training):
         )
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
+    def _training_state(self, name: str) -> dict[str, torch.Tensor]:
+        """What a training checkpoint holds: the LoRA matrices, and a critic's value head."""
+        state = self._adapter_state(name)
+        head = self.adapters[name].value_head
+        if head is not None:
+            state[VALUE_HEAD_KEY] = head.weight.detach().to("cpu", copy=True)
+        return state
+
     def save_state(
         self, model_id: str, directory: str, meta: dict, with_optimizer: bool = True
     ) -> dict:
@@ -350,7 +373,7 @@ class Engine(Training):
         adapter = self._require(model_id)
         version = checkpoints.write_adapter(
             directory,
-            self._adapter_state(model_id),
+            self._training_state(model_id),
             self.peft.peft_config[model_id],
             self.base_model,
             optimizer=adapter.optimizer.state_dict() if with_optimizer else None,
@@ -381,7 +404,7 @@ class Engine(Training):
                 f"client adapts {sorted(mine.target_modules or ())} (train_mlp / train_attn / "
                 "train_unembed differ)"
             )
-        expected = {k: v.shape for k, v in self._adapter_state(model_id).items()}
+        expected = {k: v.shape for k, v in self._training_state(model_id).items()}
         got = {k: v.shape for k, v in state.items()}
         if expected != got:
             missing = sorted(set(expected) - set(got))[:3]
@@ -402,6 +425,9 @@ class Engine(Training):
             except (ValueError, KeyError, RuntimeError) as e:
                 raise UserError(f"path: {path} optimizer state does not fit ({e})") from None
         with torch.no_grad():
+            head = state.pop(VALUE_HEAD_KEY, None)
+            if head is not None:
+                adapter.value_head.weight.copy_(head)
             set_peft_model_state_dict(self.peft, state, adapter_name=model_id)
         adapter.optimizer.zero_grad(set_to_none=True)
         if optimizer:
@@ -412,7 +438,11 @@ class Engine(Training):
 
     def snapshot_sampler(self, model_id: str, key: str, directory: str | None, meta: dict):
         """Freeze the adapter's current weights as sampler ``key`` (and save them if named)."""
-        self._require(model_id)
+        if self._require(model_id).value_head is not None:
+            raise UserError(
+                f"model_id {model_id!r} is a critic: it gives values, not tokens, so it has no "
+                "sampler; save_state keeps it"
+            )
         state = self._adapter_state(model_id)
         config = self.peft.peft_config[model_id]
         version = None

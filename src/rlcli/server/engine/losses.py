@@ -173,6 +173,24 @@ def dppo(logp, inputs, mask, config) -> LossResult:
     return _finish(-objective * w, clipped_tokens=dropped.float())
 
 
+def ppo_critic(values, inputs, mask, config) -> LossResult:
+    """PPO's value loss (SkyRL's ``ppo_critic_loss``) for a critic training client: its first
+    argument is the critic's values [B, T], not logprobs. ``values`` in the inputs are the
+    values at rollout time, ``returns`` the targets; a new value may move at most
+    ``value_clip`` from the old one before the clipped term takes over:
+    ``0.5 * max((old + clip(v - old) - R)^2, (v - R)^2)``, summed like every loss here
+    (SkyRL averages per sequence, then over the batch)."""
+    w = _weights(inputs, mask)
+    old, returns = inputs["values"], inputs["returns"]
+    clip = config["value_clip"]
+    clipped = old + (values - old).clamp(-clip, clip)
+    surr_clipped, surr = (clipped - returns) ** 2, (values - returns) ** 2
+    return _finish(
+        0.5 * torch.maximum(surr_clipped, surr) * w,
+        clipped_tokens=((surr_clipped > surr) & mask & (w != 0)).float(),
+    )
+
+
 # Sampler/trainer agreement, reported by every loss that receives the sampler's logprobs.
 # Names carry rlcli's prefix (no SDK or cookbook metric starts with it) and exactly one ':'
 # reduction suffix, which the SDK uses to merge chunked results (sum, max).
@@ -223,7 +241,12 @@ LOSSES: dict[str, LossSpec] = {
         required=("logprobs", "advantages"),
         defaults={"delta_low": 0.2, "delta_high": 0.2},
     ),
+    # A critic's loss (training clients created with model_role "critic"); SkyRL's default.
+    "ppo_critic": LossSpec(
+        ppo_critic, required=("values", "returns"), defaults={"value_clip": 0.2}
+    ),
 }
+CRITIC_LOSSES = ("ppo_critic", "ppo")  # what a critic accepts ("ppo": SkyRL routes it so)
 
 
 # Losses tinker 0.38 names that this server does not compute, and what to use instead.
@@ -232,6 +255,22 @@ NOT_SERVED = {
     "custom": "server-side custom losses are off here; forward_backward_custom runs the loss "
     "on the client",
 }
+
+
+def critic_config(loss_fn: str, given: dict[str, float]) -> dict[str, float]:
+    """A critic's resolved ``ppo_critic`` config for a request naming ``loss_fn``; ValueError
+    naming the field for a loss a critic does not train with. ``ppo`` is accepted as SkyRL
+    accepts it (the SDK's loss names have no ``ppo_critic``), its ratio clips ignored."""
+    if loss_fn not in CRITIC_LOSSES:
+        raise ValueError(
+            f"loss_fn: {loss_fn!r} is a policy loss; a critic training client (model_role "
+            f"'critic') trains with {' or '.join(CRITIC_LOSSES)}"
+        )
+    if loss_fn == "ppo":
+        given = {
+            k: v for k, v in given.items() if k not in ("clip_low_threshold", "clip_high_threshold")
+        }
+    return LOSSES["ppo_critic"].resolve_config(given)
 
 
 def unknown_loss_message(name: str) -> str:

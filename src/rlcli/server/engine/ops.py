@@ -50,13 +50,14 @@ class CreateAdapter(Op):
     train_attn: bool = True
     train_unembed: bool = True
     alpha: float | None = None  # None: the engine's LORA_ALPHA
+    critic: bool = False  # a value head on the adapter (model_role "critic")
     run_record: dict[str, Any] | None = None  # the run's run.json, written once it exists
     checkpoints_root: str = ""
 
     def run(self, engine: Engine) -> Any:
         out = engine.create_adapter(
             self.name, self.rank, self.seed, self.train_mlp, self.train_attn, self.train_unembed,
-            alpha=self.alpha,
+            alpha=self.alpha, critic=self.critic,
         )  # fmt: skip
         if self.run_record is not None:  # after the adapter: a failure leaves no orphan run
             try:

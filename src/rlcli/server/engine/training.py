@@ -40,6 +40,8 @@ class Adapter:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
     steps: int = 0
+    # a critic's value head (model_role "critic"): its forward gives values, its loss ppo_critic
+    value_head: torch.nn.Linear | None = None
     # sampler/trainer mismatch summed over the forward_backward calls since the last step
     mismatch: dict[str, float] = field(default_factory=dict)
 
@@ -164,8 +166,17 @@ class Training:
         spec = losses.LOSSES.get(loss_fn)
         if spec is None:
             raise UserError(losses.unknown_loss_message(loss_fn))
+        head = self._require(model_id).value_head
         try:
-            config = spec.resolve_config(loss_fn_config or {})
+            if head is not None:  # a critic: values through its head, loss ppo_critic
+                spec, config = (
+                    losses.LOSSES["ppo_critic"],
+                    self._critic_config(loss_fn, loss_fn_config or {}, forward_only),
+                )
+            elif loss_fn == "ppo_critic":
+                raise ValueError("loss_fn: 'ppo_critic' trains a critic (model_role 'critic')")
+            else:
+                config = spec.resolve_config(loss_fn_config or {})
         except ValueError as e:
             raise UserError(str(e)) from None
         module = self._activate(model_id)
@@ -177,10 +188,13 @@ class Training:
         mismatch: dict[str, float] = {}  # sampler vs training logprobs (losses.sampler_mismatch)
         staged = contextlib.nullcontext() if forward_only else finite.staged_gradients(params)
         with staged, torch.set_grad_enabled(not forward_only):
-            for idx, shared in self._plan(data):
+            for idx, shared in self._plan(data, critic=head is not None):
                 batch = [data[i] for i in idx]
-                logp, mask, inputs = self._target_logprobs(module, batch, spec.inputs, shared)
-                result = spec.fn(logp, inputs, mask, config)
+                logp, mask, inputs = self._target_logprobs(module, batch, spec.inputs, shared, head)
+                if head is not None and not all(n in inputs for n in spec.required):
+                    result = losses.LossResult(logp.sum() * 0.0, torch.zeros_like(logp))
+                else:  # (a critic's forward without values and returns: only the values)
+                    result = spec.fn(logp, inputs, mask, config)
                 loss = float(result.loss.detach())
                 finite.check_finite(loss, "the loss")
                 if not forward_only:
@@ -194,10 +208,11 @@ class Training:
                         mismatch[key] = merge(mismatch.get(key, 0.0), value)
                 logp_np = logp.detach().float().cpu().numpy()
                 elementwise = result.elementwise.detach().float().cpu().numpy()
+                name = "logprobs" if head is None else "values"  # SkyRL's key for a critic
                 for row, i in enumerate(idx):
                     n = len(data[i].tokens)
                     outputs[i] = {
-                        "logprobs": logp_np[row, :n],
+                        name: logp_np[row, :n],
                         "elementwise_loss": elementwise[row, :n],
                     }
             finite.check_finite(total_loss, "the loss")
@@ -212,10 +227,21 @@ class Training:
                 adapter.mismatch[key] = merge(adapter.mismatch.get(key, 0.0), value)
         return outputs, metrics
 
-    def _plan(self, data: list[DatumArrays]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    @staticmethod
+    def _critic_config(loss_fn: str, given: dict[str, float], forward_only: bool) -> dict:
+        """A critic's ppo_critic config; a forward (values only) may name any loss."""
+        if forward_only and loss_fn not in losses.CRITIC_LOSSES:
+            return losses.LOSSES["ppo_critic"].resolve_config({})
+        return losses.critic_config(loss_fn, given)
+
+    def _plan(
+        self, data: list[DatumArrays], critic: bool = False
+    ) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """Micro-batches: datum indices, and per row its group's slot in the prefix pass and
-        where its own part starts ((-1, 0): none; see ``shared_prefix``)."""
-        if self.share_prefixes and all(d.inputs["target_tokens"].ndim == 1 for d in data):
+        where its own part starts ((-1, 0): none; see ``shared_prefix``). A critic's rows run
+        whole (its values come from every row's own hidden states)."""
+        shareable = self.share_prefixes and not critic
+        if shareable and all(d.inputs["target_tokens"].ndim == 1 for d in data):
             groups = shared_prefix.find_groups(
                 [d.tokens for d in data], [d.inputs["target_tokens"] for d in data]
             )
@@ -239,6 +265,7 @@ class Training:
         batch: list[DatumArrays],
         input_names: tuple[str, ...],
         shared: list[tuple[int, int]] | None = None,
+        value_head: torch.nn.Linear | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Right-padded batch -> log p(target) [B, T] (or [B, T, K] for K targets per
         position), validity mask [B, T], loss inputs shaped like the targets. An optional
@@ -248,7 +275,8 @@ class Training:
         the output layer a chunk at a time (``logprobs.py``): no [tokens, vocab] float32
         logits for the whole micro-batch; the decoder layers are checkpointed if enabled.
         ``shared``: per row, its group's slot and shared length (``_plan``); rows in groups
-        run their shared part once (``_shared_logprobs``)."""
+        run their shared part once (``_shared_logprobs``). ``value_head`` (a critic): its
+        values at the same positions instead of logprobs."""
         width = max(len(d.tokens) for d in batch)
         k_shape = batch[0].inputs["target_tokens"].shape[1:]  # () or (K,)
         tokens = torch.zeros(len(batch), width, dtype=torch.long)
@@ -270,7 +298,11 @@ class Training:
         tokens, mask, targets = tokens.to(dev), mask.to(dev), targets.to(dev)
         inputs = {k: v.to(dev) for k, v in inputs.items()}
         targets = targets.flatten(2) if targets.dim() > 2 else targets
-        if shared is not None and any(slot >= 0 for slot, _ in shared):
+        if value_head is not None:
+            with self._checkpointing(tokens.numel()):
+                hidden = self._hidden_states(tokens)[mask]
+            picked = value_head(hidden.float()).squeeze(-1)
+        elif shared is not None and any(slot >= 0 for slot, _ in shared):
             picked = self._shared_logprobs(tokens, mask.sum(1), targets, shared)
         else:
             with self._checkpointing(tokens.numel()) as recompute:

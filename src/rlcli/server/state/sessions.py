@@ -23,6 +23,7 @@ from rlcli import checkpoint_format
 from rlcli.home import checkpoints_dir
 from rlcli.models.names import resolve_model_name
 from rlcli.server.engine import ops
+from rlcli.server.state.aliases import Aliases
 from rlcli.server.state.engine_client import EngineClient, EngineUnavailable
 from rlcli.server.state.futures import FutureStore
 from rlcli.server.store import checkpoints
@@ -84,6 +85,7 @@ class ModelRecord:
     base_model: str
     lora: dict[str, Any]
     user_metadata: dict[str, Any] = field(default_factory=dict)
+    critic: bool = False  # model_role "critic": a value head, trained with ppo_critic
     created: float = field(default_factory=time.time)
     last_request: float = field(default_factory=time.time)
     requests: int = 0  # operations queued for it (load_weights must be the first)
@@ -125,6 +127,7 @@ class ServerState:
         self.archives: dict[str, tuple[Path, float]] = {}  # download token -> (name, expiry)
         self.checkpoints_root = Path(settings.checkpoints_dir or checkpoints_dir())
         self.checkpoints_root.mkdir(parents=True, exist_ok=True)
+        self.aliases = Aliases(self.checkpoints_root)  # model names for served checkpoints
         self.tars = Archives(self.checkpoints_root / checkpoints.STAGING / "archives")
         self.chat_tokenizer: Any = None  # the OpenAI endpoint's (routes_openai.tokenizer)
         self.chat_tokenizer_lock = asyncio.Lock()

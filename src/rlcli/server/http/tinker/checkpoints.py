@@ -105,8 +105,9 @@ async def load_weights(body: LoadWeights, state: State):
 
 def _create_via_load(body: LoadWeights, state: ServerState) -> dict:
     """tinker>=0.38: a new training client made from a checkpoint in one request. Its id is
-    the one the client derives, ``<session_id>:train:<model_seq_id>``; its LoRA config is the
-    checkpoint's run's. A resent request (same body) gets the first one's future."""
+    the one the client derives, ``<session_id>:train:<model_seq_id>``; its LoRA config and
+    role (policy or critic) are the checkpoint's run's. A resent request (same body) gets the
+    first one's future."""
     if body.session_id is None or body.model_seq_id is None:
         raise HTTPException(
             400, "load_weights: send model_id and seq_id (load into a training client), or "
@@ -134,9 +135,11 @@ def _create_via_load(body: LoadWeights, state: ServerState) -> dict:
     except ValueError:
         raise HTTPException(409, f"path: {body.path} has no readable LoRA config") from None
     op = ops.LoadState(model_id, str(folder), body.optimizer, body.path)
+    critic = run.get("model_role") == "critic"  # a critic's checkpoint makes a critic
     future = new_training_client(
-        state, model_id, body.session_id, lora, body.user_metadata, then=op, payload=payload
-    )
+        state, model_id, body.session_id, lora, body.user_metadata, then=op, payload=payload,
+        critic=critic,
+    )  # fmt: skip
     state.models[model_id].seen[0] = (hashlib.sha256(payload).hexdigest(), future)
     return future
 

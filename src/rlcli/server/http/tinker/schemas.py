@@ -71,6 +71,13 @@ class LoraConfig(Body):
     alpha: Annotated[float, Field(gt=0, le=1e6)] | None = None
 
 
+# A critic training client (a value head on the LoRA model, trained with ppo_critic): SkyRL's
+# create_model body field, or, since the SDK's create call cannot add one, this
+# user_metadata key (text "critic").
+ModelRole = Literal["policy", "critic"]
+MODEL_ROLE_METADATA = "model_role"
+
+
 class CreateModel(Body):
     session_id: str
     base_model: str
@@ -78,6 +85,7 @@ class CreateModel(Body):
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig | None = None
+    model_role: ModelRole = "policy"
 
 
 class ModelRef(Body):

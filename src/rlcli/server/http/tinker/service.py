@@ -110,6 +110,8 @@ async def get_server_capabilities(state: State):
         "lora_alpha": True,  # takes user_metadata.rlcli_lora_alpha (schemas.LORA_ALPHA_METADATA)
         "max_sample_tokens": state.settings.max_sample_tokens,
         "backend": "torch",
+        # rlcli's own doc-to-LoRA routes (http/d2l.py): hypernetworks on this base model.
+        "hypernetworks": {"routes": "/api/v1/rlcli/hypernets", "target_modules": ["down_proj"]},
     }
 
 

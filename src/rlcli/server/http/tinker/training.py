@@ -12,6 +12,7 @@ from rlcli.server import wire
 from rlcli.server.engine import ops
 from rlcli.server.http.tinker.schemas import (
     LORA_ALPHA_METADATA,
+    MODEL_ROLE_METADATA,
     CreateModel,
     LoraConfig,
     ModelRef,
@@ -40,7 +41,22 @@ async def create_model(body: CreateModel, state: State):
     if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
         raise HTTPException(400, "lora_config: train_mlp, train_attn and train_unembed are all off")
     model_id = str(uuid.uuid4())
-    return new_training_client(state, model_id, body.session_id, lora, body.user_metadata)
+    role = model_role(body)
+    return new_training_client(
+        state, model_id, body.session_id, lora, body.user_metadata, critic=role == "critic"
+    )
+
+
+def model_role(body: CreateModel) -> str:
+    """The body's ``model_role``, or the user_metadata key the SDK's create call can carry."""
+    meta = (body.user_metadata or {}).get(MODEL_ROLE_METADATA)
+    if meta is None:
+        return body.model_role
+    if meta not in ("policy", "critic"):
+        raise HTTPException(
+            400, f"user_metadata.{MODEL_ROLE_METADATA}: {meta!r}; use 'policy' or 'critic'"
+        )
+    return meta
 
 
 def with_alpha(lora: LoraConfig, user_metadata: dict | None) -> LoraConfig:
@@ -77,12 +93,14 @@ def new_training_client(
     user_metadata: dict | None,
     then: ops.Op | None = None,
     payload: bytes = b"",
+    critic: bool = False,
 ) -> dict:
     """Record a training client and queue the creation of its adapter (and ``then``, its
-    first operation, whose future is answered instead: create via load)."""
+    first operation, whose future is answered instead: create via load). ``critic``: a
+    value head on the adapter, trained with ppo_critic."""
     record = ModelRecord(
         model_id, session_id, state.settings.base_model, lora.model_dump(),
-        dict(user_metadata or {}),
+        dict(user_metadata or {}), critic=critic,
     )  # fmt: skip
     run = {
         "training_run_id": model_id,
@@ -91,6 +109,7 @@ def new_training_client(
         "session_id": session_id,
         "user_metadata": record.user_metadata,
         "created": record.created,
+        "model_role": "critic" if critic else "policy",
     }
     future = state.submit(
         ops.CreateAdapter(
@@ -101,6 +120,7 @@ def new_training_client(
             lora.train_attn,
             lora.train_unembed,
             alpha=lora.alpha,
+            critic=critic,
             run_record=run,
             checkpoints_root=str(state.checkpoints_root),
         ),  # run.json is written by the engine once the adapter exists
@@ -151,7 +171,7 @@ async def forward_backward(request: Request, state: State):
     )
     req = wire.decode_forward_backward(body)
     record = state.model(req.model_id)
-    validate_forward_backward(req, info["vocab_size"], info["max_context"])
+    validate_forward_backward(req, info["vocab_size"], info["max_context"], record.critic)
     op = ops.ForwardBackward(
         req.model_id, req.data, req.loss_fn, req.loss_fn_config, req.forward_only
     )

@@ -18,14 +18,31 @@ class RequestError(InvalidPayload):
     """Invalid request; the message names the field."""
 
 
-def validate_forward_backward(req: FwdBwdRequest, vocab_size: int, max_context: int) -> None:
+def validate_forward_backward(
+    req: FwdBwdRequest, vocab_size: int, max_context: int, critic: bool = False
+) -> None:
+    """``critic``: the training client is a critic (``model_role`` "critic"): it trains with
+    ``ppo_critic`` (or ``ppo``, as on SkyRL), and a forward may leave its inputs out (it
+    returns the values)."""
     spec = losses.LOSSES.get(req.loss_fn)
     if spec is None:
         raise RequestError(losses.unknown_loss_message(req.loss_fn))
+    required = spec.required
     try:
-        spec.resolve_config(req.loss_fn_config)
+        if critic:
+            spec = losses.LOSSES["ppo_critic"]
+            required = () if req.forward_only else spec.required
+            if not req.forward_only:
+                losses.critic_config(req.loss_fn, req.loss_fn_config)
+        else:
+            spec.resolve_config(req.loss_fn_config)
     except ValueError as e:
         raise RequestError(str(e)) from None
+    if req.loss_fn == "ppo_critic" and not critic:
+        raise RequestError(
+            "loss_fn: 'ppo_critic' trains a critic; create the training client with "
+            "model_role 'critic' (the create_model body, or user_metadata)"
+        )
     if not req.data:
         raise RequestError("data: empty; send at least one datum")
     allowed = {"target_tokens", *spec.inputs}
@@ -42,15 +59,15 @@ def validate_forward_backward(req: FwdBwdRequest, vocab_size: int, max_context: 
         _check_spans(datum.input_spans, n, f"{where}.model_input_spans", "model_input tokens")
         targets = len(datum.inputs.get("target_tokens", ()))
         _check_spans(datum.target_spans, targets, f"{where}.loss_fn_input_spans", "target_tokens")
-        for name in ("target_tokens", *spec.required):
+        for name in ("target_tokens", *required):
             if name not in datum.inputs:
                 raise RequestError(
                     f"{where}.loss_fn_inputs.{name}: missing; loss {req.loss_fn!r} needs "
-                    f"{', '.join(('target_tokens', *spec.required))}"
+                    f"{', '.join(('target_tokens', *required))}"
                 )
         # Top-K distillation (cross_entropy only): K target tokens per position, [N, K].
         target_shape = datum.inputs["target_tokens"].shape
-        if target_shape[1:] and req.loss_fn != "cross_entropy":
+        if target_shape[1:] and (req.loss_fn != "cross_entropy" or critic):
             raise RequestError(
                 f"{where}.loss_fn_inputs.target_tokens: shape {list(target_shape)}; only "
                 "cross_entropy takes K targets per position, other losses take [N]"

@@ -1,0 +1,102 @@
+"""Doc-to-LoRA training data: documents with questions and answers, read or generated.
+
+A line of ``rlcli train d2l --dataset`` is ``{"document": ..., "question": ..., "answer": ...}``
+or ``{"document": ..., "qa": [{"question": ..., "answer": ...}, ...]}``; each question becomes
+one example (the document internalized, the question asked, the answer scored). Every bad
+line is named by number before anything runs.
+
+``synthetic_facts`` writes documents offline so a first hypernetwork needs no data: each states
+one fact about a made-up person (favourite colour, pet, city, ...) with an answer from a small
+closed set, optionally hidden in filler sentences (a needle in a haystack). Made-up names make
+the answer unknowable without the document, so a held-out document's answer is above chance
+only if the adapter carries it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+from rlcli.data.chat import read_jsonl
+
+SYNTHETIC = "synthetic:"  # --dataset synthetic:N (N generated fact documents)
+
+# (statement, question, the answers it draws from)
+FACTS = [
+    ("{name}'s favorite color is {answer}.", "What is {name}'s favorite color?",
+     ("red", "blue", "green", "yellow", "purple", "orange", "black", "white")),
+    ("{name} has a pet {answer}.", "What kind of pet does {name} have?",
+     ("cat", "dog", "horse", "rabbit", "parrot", "snake", "turtle", "fish")),
+    ("{name} lives in {answer}.", "In which city does {name} live?",
+     ("Paris", "London", "Tokyo", "Berlin", "Madrid", "Rome", "Cairo", "Lima")),
+    ("{name} plays the {answer}.", "Which instrument does {name} play?",
+     ("piano", "guitar", "violin", "drums", "flute", "cello", "trumpet", "harp")),
+]  # fmt: skip
+SYLLABLES = ("ka", "lo", "mi", "ren", "zu", "tor", "vel", "sha", "nim", "dra", "qui", "bex")
+FILLER = (
+    "The weather was mild that week.", "A train left the station at noon.",
+    "The library closes early on Sundays.", "Several birds sat on the fence.",
+    "The market sold bread and cheese.", "A river runs through the valley.",
+    "The meeting was moved to Thursday.", "Lights were on in the old house.",
+)  # fmt: skip
+
+
+def _example(row) -> tuple[list[dict] | None, str | None]:
+    if not isinstance(row, dict):
+        return None, "not a JSON object"
+    doc = row.get("document")
+    if not isinstance(doc, str) or not doc.strip():
+        return None, '"document": missing or empty (a non-empty string)'
+    pairs = row.get("qa")
+    if pairs is None:
+        pairs = [{"question": row.get("question"), "answer": row.get("answer")}]
+    if not isinstance(pairs, list) or not pairs:
+        return None, '"qa": a non-empty list of {"question", "answer"}'
+    out = []
+    for i, pair in enumerate(pairs):
+        where = '"qa"' + f"[{i}]" if "qa" in row else "the row"
+        if not isinstance(pair, dict):
+            return None, f"{where}: not an object"
+        for key in ("question", "answer"):
+            value = pair.get(key)
+            if not isinstance(value, str) or not value.strip():
+                return None, f'{where}: "{key}" missing or empty (a non-empty string)'
+        out.append({"document": doc, "question": pair["question"], "answer": pair["answer"]})
+    return out, None
+
+
+def read_examples(lines: Iterable[str], source: str) -> list[dict]:
+    """Every line's examples, flattened; ``DataError`` naming each bad line."""
+    rows = read_jsonl(lines, source, _example, "documents with questions")
+    return [example for row in rows for example in row]
+
+
+def made_up_name(rng: random.Random) -> str:
+    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+
+
+def synthetic_facts(n: int, seed: int = 0, filler: int = 0) -> list[dict]:
+    """``n`` documents of one fact each (``filler`` sentences of haystack around it), as
+    dataset rows ``{"document", "question", "answer"}``."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        statement, question, answers = rng.choice(FACTS)
+        name, answer = made_up_name(rng), rng.choice(answers)
+        sentences = [rng.choice(FILLER) for _ in range(filler)]
+        sentences.insert(rng.randint(0, filler), statement.format(name=name, answer=answer))
+        rows.append({
+            "document": " ".join(sentences),
+            "question": question.format(name=name),
+            "answer": answer,
+        })  # fmt: skip
+    return rows
+
+
+def answer_choices(question: str) -> tuple[str, ...] | None:
+    """The closed set a synthetic question's answer comes from (None: not one of ours)."""
+    for _, template, answers in FACTS:
+        prefix = template.split("{name}")[0]
+        if question.startswith(prefix):
+            return answers
+    return None

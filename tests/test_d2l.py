@@ -1,0 +1,205 @@
+"""Doc-to-LoRA: the hypernetwork module, its routes on a real server (tiny model), `rlcli train
+d2l` end to end (run, resume, cancel's checkpoint path, dry run), `rlcli hypernet internalize`,
+sampling the adapter through the SDK, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import cli
+from rlcli.data.d2l_examples import answer_choices, read_examples, synthetic_facts
+from rlcli.server.engine.hypernet import Hypernet, HypernetConfig, lora_delta, merge_chunks
+
+DEAD_URL = "http://127.0.0.1:9"
+SMALL = {"rank": 4, "latent": 16, "chunk_tokens": 32, "max_chunks": 2}
+
+
+def small_net(**over) -> Hypernet:
+    config = HypernetConfig(base_model="m", n_layers=3, hidden=24, d_in=40, **{**SMALL, **over})
+    torch.manual_seed(0)
+    return Hypernet(config)
+
+
+def test_a_fresh_hypernet_writes_a_zero_update_and_chunks_add_up():
+    net = small_net()
+    features, mask = torch.randn(2, 3, 7, 24), torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0  # padding is ignored, not attended to
+    a, b = net(features, mask)
+    assert a.shape == (2, 3, 4, 40) and b.shape == (2, 3, 4, 24)
+    assert a.abs().sum() > 0 and b.abs().sum() == 0  # B scaled from zero: a no-op adapter
+    with torch.no_grad():
+        net.scale_b.fill_(1.0)
+        a, b = net(features, mask)
+    merged_a, merged_b = merge_chunks(a, b)  # two chunks of one document -> rank 8
+    assert merged_a.shape == (3, 8, 40) and merged_b.shape == (3, 8, 24)
+    x = torch.randn(1, 5, 40)
+    layer = 1
+    apart = sum(lora_delta(x, a[c : c + 1, layer], b[c : c + 1, layer], 2.0) for c in range(2))
+    together = lora_delta(x, merged_a[layer][None], merged_b[layer][None], 2.0)
+    torch.testing.assert_close(together, apart)
+
+
+def test_examples_are_read_by_line_and_synthetic_facts_are_seeded():
+    rows = read_examples(
+        ['{"document": "d", "question": "q", "answer": "a"}',
+         '{"document": "e", "qa": [{"question": "q1", "answer": "a1"}, '
+         '{"question": "q2", "answer": "a2"}]}'],
+        "x.jsonl",
+    )  # fmt: skip
+    assert [r["question"] for r in rows] == ["q", "q1", "q2"]
+    with pytest.raises(Exception, match=r"line 2: .*document") as bad:
+        read_examples(['{"document": "d", "question": "q", "answer": "a"}', '{"question": 1}'],
+                      "bad.jsonl")  # fmt: skip
+    assert "bad.jsonl" in str(bad.value)
+    facts = synthetic_facts(5, seed=3, filler=2)
+    assert facts == synthetic_facts(5, seed=3, filler=2) != synthetic_facts(5, seed=4)
+    for row in facts:
+        assert row["answer"] in answer_choices(row["question"]) and row["answer"] in row["document"]
+
+
+@pytest.fixture(scope="module")
+def hypernets(server):
+    from rlcli.client.d2l import Hypernets
+
+    return Hypernets(server.base_url)
+
+
+@pytest.fixture(scope="module")
+def fresh(hypernets):
+    """A saved hypernetwork that never trained (its adapters are no-ops)."""
+    made = hypernets.create(seed=0, **SMALL)
+    path = hypernets.save(made["hypernet_id"], "fresh")["path"]
+    hypernets.remove(made["hypernet_id"])
+    return path
+
+
+def prompt_tokens(tiny_model, question: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_fresh_hypernets_adapter_leaves_logprobs_unchanged_and_a_key_is_deterministic(
+    hypernets, fresh, service, tiny_model
+):
+    import tinker
+
+    made = hypernets.internalize(fresh, "Kalo's favorite color is red.", session_key="k")
+    assert made["path"].startswith("tinker://") and "/sampler_weights/" in made["path"]
+    assert made["chunks"] == 1 and made["rank"] == 4 and not made["reused"]
+    again = hypernets.internalize(fresh, "another text, same key", session_key="k")
+    assert again["path"] == made["path"] and again["reused"]  # not recomputed
+    other = hypernets.internalize(fresh, "Kalo's favorite color is red.", session_key="k2")
+    assert other["path"] != made["path"]
+    prompt = tinker.ModelInput.from_ints(prompt_tokens(tiny_model, "What color?"))
+    base = service.create_sampling_client(base_model=str(tiny_model)).result()
+    adapted = service.create_sampling_client(model_path=made["path"]).result()
+    assert adapted.compute_logprobs(prompt).result() == base.compute_logprobs(prompt).result()
+    params = tinker.SamplingParams(max_tokens=4, temperature=0.0)
+    out = adapted.sample(prompt, num_samples=1, sampling_params=params).result()
+    assert len(out.sequences[0].tokens) >= 1
+
+
+def test_refusals_name_the_field(hypernets, fresh, server, service):
+    from rlcli.errors import RlcliError
+
+    doc = "Kalo's favorite color is red."
+    with pytest.raises(RlcliError, match="document: the document has no tokens"):
+        hypernets.internalize(fresh, "")
+    with pytest.raises(RlcliError, match=r"document: the document has \d+ tokens.*at most 2"):
+        hypernets.internalize(fresh, "word " * 200)
+    with pytest.raises(RlcliError, match="no hypernetwork checkpoint at"):
+        hypernets.internalize("tinker://hn-nope/hypernet_weights/x", doc)
+    adapter = hypernets.internalize(fresh, doc)["path"]
+    with pytest.raises(RlcliError, match="a sampler_weights checkpoint .a LoRA adapter., not"):
+        hypernets.internalize(adapter, doc)
+    with pytest.raises(RlcliError, match="unknown hypernet_id 'hn-unknown'"):
+        hypernets.step("hn-unknown", [{"document": doc, "question": "q", "answer": "a"}], 1e-3)
+    with pytest.raises(RlcliError, match="base_model: 'other/model' is not served here"):
+        hypernets.create("other/model")
+    with pytest.raises(Exception, match="hypernet_weights"):  # a hypernetwork is no sampler
+        service.create_sampling_client(model_path=fresh).result()
+    assert hypernets.server.caps["hypernetworks"]  # still serving
+
+
+def test_a_hypernet_of_another_base_model_is_refused(hypernets, fresh, server_home):
+    """The checkpoint's config names its base model; the engine compares it with its own."""
+    import shutil
+
+    from rlcli.errors import RlcliError
+    from rlcli.server.store import checkpoints
+
+    root = server_home / "checkpoints"
+    run_id, _, name = fresh.removeprefix("tinker://").partition("/hypernet_weights/")
+    version = checkpoints.resolve(root / run_id / "hypernet_weights" / name)
+    staging = root / "hn-other" / "staged"
+    staging.mkdir(parents=True)
+    record = json.loads((version / "hypernet.json").read_text())
+    record["config"]["base_model"] = "org/another-model"
+    (staging / "hypernet.json").write_text(json.dumps(record))
+    shutil.copy(version / "hypernet.safetensors", staging / "hypernet.safetensors")
+    files = {f: staging / f for f in ("hypernet.json", "hypernet.safetensors")}
+    checkpoints.write_files(root / "hn-other" / "hypernet_weights" / "x", files, {"x": 1})
+    with pytest.raises(RlcliError, match="trained on org/another-model; this server's base model"):
+        hypernets.internalize("tinker://hn-other/hypernet_weights/x", "Some text.")
+
+
+def test_train_d2l_runs_resumes_and_its_hypernet_internalizes(tmp_path, server, tiny_model):
+    run_dir = tmp_path / "run"
+    args = (
+        "train", "d2l", "--model", str(tiny_model), "--base-url", server.base_url,
+        "--dataset", "synthetic:12", "--eval-dataset", "synthetic:4", "--batch-size", "4",
+        "--latent", "16", "--chunk-tokens", "64", "--log-path", str(run_dir), "--json",
+    )  # fmt: skip
+    result = cli(*args, "--max-steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["hypernet_path"].endswith("/hypernet_weights/000002")
+    assert summary["held_out_loss"] > 0 and "step 2/2" in result.stderr
+    again = cli(*args, "--max-steps", "3")  # one more step, from the last checkpoint
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming in" in again.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[2]["steps"] == 3
+    path = json.loads(again.stdout)["hypernet_path"]
+    assert path.split("/")[2] == summary["hypernet_path"].split("/")[2]  # the same id
+    doc = tmp_path / "doc.txt"
+    doc.write_text("Kalo's favorite color is red.")
+    made = cli("hypernet", "internalize", str(doc), "--hypernet", path,
+               "--base-url", server.base_url, "--session-key", "s", "--json")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    adapter = json.loads(made.stdout)["path"]
+    sampled = cli("sample", "--checkpoint", adapter, "-p", "What is Kalo's favorite color?",
+                  "--base-url", server.base_url, "--max-tokens", "3", "--json")  # fmt: skip
+    assert sampled.returncode == 0, sampled.stderr
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    refused = cli("hypernet", "internalize", str(empty), "--hypernet", path,
+                  "--base-url", server.base_url)  # fmt: skip
+    assert refused.returncode == 1 and "the document is empty" in refused.stderr
+    refused = cli("hypernet", "internalize", str(doc), "--hypernet", adapter,
+                  "--base-url", server.base_url)  # fmt: skip
+    assert refused.returncode == 1 and "a LoRA adapter" in refused.stderr
+
+
+def test_dry_run_plans_and_a_bad_dataset_is_named(tmp_path, tiny_model):
+    base = ("train", "d2l", "--model", str(tiny_model), "--base-url", DEAD_URL, "--dry-run")
+    plan = cli(*base, "--dataset", "synthetic:20", "--batch-size", "8", "--json",
+               "--log-path", str(tmp_path / "run"))  # fmt: skip
+    assert plan.returncode == 0, plan.stderr
+    planned = json.loads(plan.stdout)
+    assert planned["examples"] == 20 and planned["steps"] == 2
+    assert planned["options"]["lora_rank"] == 8 and not (tmp_path / "run").exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"document": "d", "question": "q", "answer": "a"}\n{"document": ""}\n')
+    refused = cli(*base, "--dataset", str(bad))
+    assert refused.returncode == 1 and "line 2" in refused.stderr
+    refused = cli(*base, "--dataset", "synthetic:zero")
+    assert refused.returncode == 1 and "synthetic:N" in refused.stderr
