@@ -82,6 +82,7 @@ def _commands(url: str, tmp: Path) -> dict[str, list[str]]:
     return {
         "checkpoint list": ["checkpoint", "list", "--base-url", url],
         "run list": ["run", "list", "--base-url", url],
+        "alias list": ["alias", "list", "--base-url", url],
         "sample": ["sample", "--base-url", url, "--model", "org/m", "-p", "hi"],
         "train sl": [
             "train", "sl", "--base-url", url, "--model", "org/m", "--log-path", str(tmp / "r"),
