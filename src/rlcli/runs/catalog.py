@@ -38,7 +38,7 @@ from rlcli.runs.folder import (
 )
 
 LIVE = ("starting", "running")
-EXIT_OF = {"finished": 0, "failed": 1, "cancelled": 4, "interrupted": 130}
+EXIT_OF = {"finished": 0, "stopped": 0, "failed": 1, "cancelled": 4, "interrupted": 130}
 
 # What each kind of run is judged by: (metrics.jsonl key, label), the first is the headline.
 METRICS = {
@@ -53,7 +53,9 @@ METRICS = {
     # kl: the k3 estimate (never negative, compat/distill.py); the cookbook's own mean
     # log p - log q beside it (and in runs from before rlcli logged k3)
     "opsd": (("rlcli/teacher_kl_k3", "kl"), ("teacher_kl", "log p - log q")),
+    "internalize": (("train_mean_nll", "loss"),),
     "harbor": (("env/all/reward/total", "reward"), ("env/all/test_passed", "passed")),
+    "demo": (("rl_reward", "RL reward"), ("sft_loss", "SFT loss")),  # rlcli demo (demo/record.py)
 }
 
 
@@ -152,10 +154,11 @@ def state(run_dir: Path) -> dict:
         ended = record.get("ended") if record.get("status") not in LIVE else None
         ended = ended or _mtime(run_dir / METRICS_FILE) or _mtime(run_dir / CONSOLE)
     last_label, last_value = None, None
-    for key, label in METRICS.get(kind or "", ())[:1]:
+    for key, label in METRICS.get(kind or "", ()):  # the headline, else the first measured
         values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
         if values:
             last_label, last_value = label, float(values[-1])
+            break
     total = record.get("total_steps") or plan.get("steps")
     return {
         "id": run_dir.name,
