@@ -74,10 +74,10 @@ def learning(args, model: str, tmp: str) -> dict:
     seen = {r["document"] for r in train}  # held out: documents training never saw
     held = [r for r in synthetic_facts(4 * args.held_out, seed=12345) if r["document"] not in seen]
     held = held[: args.held_out]
-    with _receipt.local_server(model, tmp, wait=600, dtype="float32") as record:
+    with _receipt.local_server(model, tmp, wait=900, dtype=args.dtype) as record:
         url = record.base_url
         hn = Hypernets(url)
-        made = hn.create(seed=0, rank=args.rank, latent=args.latent)
+        made = hn.create(seed=0, rank=args.rank, latent=args.latent, lora_layers=args.lora_layers)
         hid = made["hypernet_id"]
         shuffled = [dict(r, document=held[(i + 1) % len(held)]["document"]) for i, r in
                     enumerate(held)]  # fmt: skip
@@ -124,7 +124,9 @@ def learning(args, model: str, tmp: str) -> dict:
     accuracy = {k: sum(r["correct"][k] for r in rows) / len(rows) for k in arms}
     return {
         "model": model,
-        "hypernet": {k: made[k] for k in ("params", "rank", "latent", "n_layers", "d_in")},
+        "hypernet": {
+            k: made[k] for k in ("params", "rank", "latent", "n_layers", "first_layer", "d_in")
+        },
         "steps": args.steps,
         "batch": args.batch,
         "lr": args.lr,
@@ -151,7 +153,9 @@ def timing(args, tmp: str) -> dict:
     doc = synthetic_facts(1, seed=7, filler=120)[0]["document"]
     ids = tok(doc, add_special_tokens=False)["input_ids"][: args.doc_tokens]
     doc = tok.decode(ids)
-    with _receipt.local_server(args.timing_model, Path(tmp) / "t", wait=900) as record:
+    with _receipt.local_server(
+        args.timing_model, Path(tmp) / "t", wait=900, dtype="float32"
+    ) as record:
         hn = Hypernets(record.base_url)
         made = hn.create(seed=0)
         path = hn.save(made["hypernet_id"], "fresh")["path"]
@@ -185,6 +189,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--latent", type=int, default=64)
+    parser.add_argument("--lora-layers", type=int, default=0, help="adapt the last N (0: all)")
+    parser.add_argument("--dtype", default="float32", help="the learning server's dtype")
     parser.add_argument("--held-out", type=int, default=64)
     parser.add_argument("--timing-model", default=None, help="e.g. a SmolLM2 folder")
     parser.add_argument("--doc-tokens", type=int, default=1000)
