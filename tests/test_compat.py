@@ -3,6 +3,7 @@ installed packages: a pin bump that breaks one fails here first, with the reason
 
 from __future__ import annotations
 
+import json
 import typing
 from importlib.metadata import version
 
@@ -256,6 +257,20 @@ def test_the_sl_loop_takes_its_learning_rate_from_the_name_warmup_replaces():
     assert steps == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
 
 
+def test_the_sl_loop_sends_a_step_as_the_call_grad_accum_splits():
+    """--grad-accum replaces TrainingClient.forward_backward_async (what the SL loop calls
+    once a step, then optim_step) and merges with the SDK's own chunk combiner."""
+    import inspect
+
+    from tinker.lib.chunked_fwdbwd_helpers import combine_fwd_bwd_output_results
+    from tinker_cookbook.supervised import train
+
+    source = inspect.getsource(train.main)
+    assert "training_client.forward_backward_async(data" in source
+    assert source.index("forward_backward_async(data") < source.index("optim_step_async(")
+    assert combine_fwd_bwd_output_results([]).loss_fn_outputs == []
+
+
 def test_the_dpo_recipe_has_the_seams_train_dpo_hooks():
     import inspect
 
@@ -270,3 +285,36 @@ def test_the_dpo_recipe_has_the_seams_train_dpo_hooks():
     update = inspect.getsource(train_dpo.do_update)
     assert '"epoch": epoch_idx, "batch": batch_idx' in update  # saved before the step
     assert update.index("forward_backward_custom") < update.index("log_metrics")
+
+
+def test_a_plain_tokenizer_folder_loads_as_auto_tokenizer_would(tiny_model, tmp_path):
+    """``load_tokenizer`` skips ``AutoTokenizer``'s imports only where it would pick the same
+    class; the cookbook's registry (``compat.tokenizers``) then returns that tokenizer."""
+    import shutil
+
+    from tinker_cookbook import tokenizer_utils
+    from transformers import AutoTokenizer
+
+    from rlcli.compat import tokenizers
+    from rlcli.models.tokenizer import load_tokenizer, plain_tokenizer_folder
+
+    ours, theirs = load_tokenizer(str(tiny_model)), AutoTokenizer.from_pretrained(tiny_model)
+    assert type(ours) is type(theirs)
+    chat = [{"role": "user", "content": "Hi there, 2 + 2?"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(
+        chat, tokenize=False
+    )
+    assert ours.encode(" héllo  world\n") == theirs.encode(" héllo  world\n")
+    assert ours.all_special_tokens == theirs.all_special_tokens
+    tokenizers.register(str(tiny_model))
+    assert type(tokenizer_utils.get_tokenizer(str(tiny_model))) is type(theirs)
+
+    custom = tmp_path / "custom"
+    shutil.copytree(tiny_model, custom)
+    config = custom / "tokenizer_config.json"
+    for change in ({"tokenizer_class": "Qwen2Tokenizer"}, {"auto_map": {"AutoTokenizer": "x.Y"}}):
+        config.write_text(
+            json.dumps({**json.loads((tiny_model / config.name).read_text()), **change})
+        )
+        assert not plain_tokenizer_folder(str(custom))  # left to AutoTokenizer
+    assert not plain_tokenizer_folder("HuggingFaceTB/SmolLM2-135M-Instruct")

@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 LAYERS = [
     ("entry points", ["rlcli.cli.", "rlcli.runs.child", "rlcli.server.__main__", "rlcli.api",
                       "rlcli"]),
-    ("commands", ["rlcli.recipes.", "rlcli.demo.", "rlcli.client.evaluate"]),
+    ("commands", ["rlcli.recipes.", "rlcli.demo.", "rlcli.client.evaluate", "rlcli.learn."]),
     ("runs", ["rlcli.runs."]),
     ("client", ["rlcli.client.", "rlcli.launch.", "rlcli.compat.run_hooks",
                 "rlcli.compat.distill", "rlcli.compat.harbor_hooks",

@@ -16,11 +16,13 @@ import sys
 import typer
 
 from rlcli.cli import (
+    alias,
     demo,
     evaluate,
     export,
     hypernet,
     importer,
+    learn,
     models,
     redact,
     runs,
@@ -48,6 +50,8 @@ app.add_typer(models.app, name="models")
 app.add_typer(train.app, name="train")
 app.add_typer(evaluate.app, name="eval")
 app.add_typer(runs.app, name="runs")
+app.add_typer(alias.app, name="alias")
+app.add_typer(learn.app, name="learn")
 app.add_typer(hypernet.app, name="hypernet")
 app.command("sample")(sample.sample)
 app.command("chat")(sample.chat)

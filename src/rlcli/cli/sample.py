@@ -26,8 +26,9 @@ CHECKPOINT = typer.Option(
     None,
     "--checkpoint",
     "-c",
-    help="tinker://RUN/sampler_weights/NAME to sample from (its base model is asked from "
-    "the server; --model overrides where the tokenizer is loaded from).",
+    help="tinker://RUN/sampler_weights/NAME, or an alias (rlcli alias list), to sample from "
+    "(its base model is asked from the server; --model overrides where the tokenizer is loaded "
+    "from).",
 )
 MAX_TOKENS = typer.Option(256, "--max-tokens", min=1, help="Most tokens per completion.")
 TEMPERATURE = typer.Option(1.0, "--temperature", min=0.0, help="0 = greedy.")

@@ -48,7 +48,9 @@ class EvalOptions:
         None, "Base model (default with --checkpoint: the checkpoint's base model)."
     )
     checkpoint: str | None = option(
-        None, "Sampler checkpoint to score: tinker://RUN/sampler_weights/NAME (default: the base)."
+        None,
+        "Sampler checkpoint to score: tinker://RUN/sampler_weights/NAME or an alias (default: "
+        "the base).",
     )
     compare: bool = option(False, "Score the base model and --checkpoint side by side.")
     tasks: int = option(
@@ -142,12 +144,12 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
     what was resolved (server, renderer)."""
     import asyncio
 
-    from rlcli.client import endpoint, sample_chat  # lazy: imports httpx
+    from rlcli.client import aliases, endpoint, sample_chat  # lazy: imports httpx
 
     say = info or (lambda line: None)
     if opts.compare and not opts.checkpoint:
         raise RlcliError("--compare: pass --checkpoint tinker://RUN/sampler_weights/NAME too")
-    if opts.checkpoint:
+    if opts.checkpoint and not aliases.is_alias_name(opts.checkpoint):
         sample_chat.split_tinker_path(opts.checkpoint)  # the form, before anything else
     if opts.model:
         from rlcli.recipes.preflight import check_model_arg  # lazy: imports httpx
@@ -176,7 +178,7 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
         tasks = [Task(str(row["id"]), row["question"], None, None, []) for row in problems]
     else:
         tasks = asyncio.run(_tasks(env, problems, renderer))
-    sides = [("base", None)] if not opts.checkpoint else [("checkpoint", opts.checkpoint)]
+    sides = [("base", None)] if not opts.checkpoint else [("checkpoint", target.checkpoint)]
     if opts.compare:
         sides.insert(0, ("base", None))
     results = []

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from rlcli.checkpoint_format import TinkerPathError, parse_tinker_path
-from rlcli.client import endpoint
+from rlcli.client import aliases, endpoint
 from rlcli.client.server_info import Server, server_reason
 from rlcli.compat.renderer_choice import resolve_renderer
 from rlcli.compat.skyrl_client import accept_unnumbered_samples
@@ -105,6 +105,11 @@ def resolve_target(
     if not model and not checkpoint:
         raise RlcliError("pass --model MODEL (a base model) or --checkpoint tinker://...")
     endpoint.check_server(base_url, source=source, timeout=5)
+    if aliases.is_alias_name(checkpoint):  # the checkpoint the alias serves now
+        version = aliases.resolve(base_url, checkpoint)
+        served = version["checkpoint"]
+        checkpoint = served if served.startswith("tinker://") else None
+        model = model or version["base_model"]
     server = Server(base_url)
     if max_tokens is not None:
         server.check_max_tokens(max_tokens)

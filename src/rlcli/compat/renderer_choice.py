@@ -35,9 +35,10 @@ def resolve_renderer(model: str, requested: str | None):
     chat template token for token (``renderers.compare``) gives way to ``chat_template``, the
     template itself, so the model is trained on the prompts it will be served with.
     """
-    from rlcli.compat import renderers  # lazy: imports torch, the cookbook, tinker
+    from rlcli.compat import renderers, tokenizers  # lazy: imports torch, the cookbook, tinker
 
     renderers.register()
+    tokenizers.register(model)
     if not Path(model).expanduser().exists():  # a hub id: a lookup that may be slow
         for check in list(_BEFORE_HUB_LOOKUP):
             check()

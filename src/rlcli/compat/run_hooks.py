@@ -53,6 +53,41 @@ def install_lr_warmup(warmup_steps: int) -> None:
     setattr(sl_train, SL_LR_MULTIPLIER, multiplier)
 
 
+def install_grad_accum(requests: int) -> None:
+    """``train sl --grad-accum N`` in its child: the cookbook's supervised loop sends a step's
+    batch as one ``forward_backward_async`` and then ``optim_step``; this sends it as ``N``
+    ``forward_backward`` requests instead (in order, each a slice of the batch), whose
+    gradients the server sums before the one optim_step, and hands the loop their results
+    combined as the SDK combines its own chunks (``combine_fwd_bwd_output_results``). Every
+    Tinker loss is a sum over tokens, so the update is the whole batch's."""
+    if requests <= 1:
+        return
+    import tinker
+    from tinker.lib.chunked_fwdbwd_helpers import combine_fwd_bwd_output_results
+
+    class Accumulated:  # the part of an APIFuture the loop awaits
+        def __init__(self, futures) -> None:
+            self.futures = futures
+
+        async def result_async(self, timeout: float | None = None):
+            results = [await f.result_async(timeout) for f in self.futures]
+            return combine_fwd_bwd_output_results(results)
+
+        def result(self, timeout: float | None = None):
+            return combine_fwd_bwd_output_results([f.result(timeout) for f in self.futures])
+
+    async def forward_backward_async(self, data, loss_fn, loss_fn_config=None):
+        size = max(1, -(-len(data) // requests))
+        return Accumulated(
+            [
+                self.forward_backward(data[i : i + size], loss_fn, loss_fn_config)
+                for i in range(0, len(data), size)
+            ]
+        )
+
+    tinker.TrainingClient.forward_backward_async = forward_backward_async
+
+
 def install_run_hooks(report, seed: int = 0) -> None:
     """Patch the pinned cookbook, in the recipe's child process only, so that ``train sl``
     resumes exactly, a run's LoRA initialisation follows its ``seed`` (the recipes ask for a
@@ -304,12 +339,15 @@ def install_cancel_hook(cancel_requested, report) -> None:
     wrap(train_on_policy, sl=False)
 
 
-def send_lora_alpha(alpha: float | None) -> None:
+def send_lora_config(alpha: float | None, switches: dict[str, bool] | None = None) -> None:
     """Every LoRA training client this (child) process creates asks for ``alpha`` (``train
-    --lora-alpha``): in the request's ``user_metadata``, the one free-form field of the 0.38
-    client's create request (its ``LoraConfig`` has no alpha), which rlcli's server reads
-    (``server.schemas.LORA_ALPHA_METADATA``). The recipes pass ``user_metadata`` by keyword."""
-    if alpha is None:
+    --lora-alpha``) and the layer switches (``--lora-targets``: ``train_attn``, ``train_mlp``,
+    ``train_unembed``). The alpha goes in the request's ``user_metadata``, the one free-form
+    field of the 0.38 client's create request (its ``LoraConfig`` has no alpha), which rlcli's
+    server reads (``server.schemas.LORA_ALPHA_METADATA``); the switches are the create call's
+    own keywords. The recipes pass base model and rank only, ``user_metadata`` by keyword;
+    a restored client keeps its checkpoint's."""
+    if alpha is None and not switches:
         return
     import tinker
 
@@ -319,9 +357,11 @@ def send_lora_alpha(alpha: float | None) -> None:
         original = getattr(tinker.ServiceClient, name)
 
         def create(self, *args, _original=original, **kwargs):
-            if len(args) < 7:  # (base_model, rank, seed, mlp, attn, unembed, user_metadata)
-                metadata = dict(kwargs.get("user_metadata") or {})
+            if alpha is not None and len(args) < 7:  # (base_model, rank, seed, mlp, attn,
+                metadata = dict(kwargs.get("user_metadata") or {})  # unembed, user_metadata)
                 kwargs["user_metadata"] = {**metadata, LORA_ALPHA_METADATA: repr(float(alpha))}
+            if switches and len(args) < 4:
+                kwargs.update(switches)
             return _original(self, *args, **kwargs)
 
         setattr(tinker.ServiceClient, name, create)

@@ -1,7 +1,44 @@
-"""Tokenizer repairs: GGUF byte-level BPE saved under the plain class, the chat template's end
-of turn, and special tokens made to agree with the model config."""
+"""Loading a tokenizer cheaply, and tokenizer repairs: GGUF byte-level BPE saved under the plain
+class, the chat template's end of turn, and special tokens made to agree with the model config."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# The classes ``AutoTokenizer`` resolves to the tokenizers-backed base class itself (transformers
+# 5: ``TokenizersBackend``; 4: ``PreTrainedTokenizerFast``, an alias of it in 5).
+_PLAIN_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
+def plain_tokenizer_folder(name: str) -> bool:
+    """``name`` is a local folder whose tokenizer ``AutoTokenizer`` would load as the plain
+    tokenizers-backed class (a ``tokenizer.json``, that class named, no custom code)."""
+    folder = Path(name)
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        (folder / "tokenizer.json").is_file()
+        and config.get("tokenizer_class") in _PLAIN_CLASSES
+        and "auto_map" not in config
+    )
+
+
+def load_tokenizer(name: str):
+    """``AutoTokenizer.from_pretrained(name)``, without importing ``AutoTokenizer`` where the
+    answer is known: for a plain tokenizer folder (every model rlcli converts or builds) the
+    class is loaded directly. ``AutoTokenizer``'s module imports transformers' model registry
+    (~2 CPU s a process); a recipe child, the server's HTTP process and each CLI command that
+    tokenizes would pay it for nothing."""
+    if plain_tokenizer_folder(name):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(name)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
 
 
 def byte_level_as_plain(tokenizer):

@@ -68,9 +68,22 @@ class TrainOptions:
         "rlcli's server). rlcli's torch server only: the Tinker API carries no alpha.",
         gt=0,
     )
+    lora_targets: str | None = option(
+        None,
+        "Layers LoRA trains: a comma list of attn, mlp, unembed (the Tinker API's train_attn, "
+        "train_mlp, train_unembed; default: all three).",
+    )
     lr: float = option(1e-4, "Learning rate.", flags=("--learning-rate",), gt=0)
     save_every: int = option(20, "Checkpoint every N steps (0: only at the end).", min=0)
     max_steps: int | None = option(None, "Stop after this many steps.", min=1)
+    max_minutes: float | None = option(
+        None,
+        "Stop cleanly after M minutes (fractions too): at the first step boundary past the "
+        "limit, with a checkpoint; exit 0. The resume command it prints continues the run "
+        "(with no limit unless given again).",
+        gt=0,
+        saved=False,
+    )
     seed: int = option(
         0, "Seed for data order, LoRA initialisation and rollouts (same seed, same run).", min=0
     )
@@ -84,7 +97,14 @@ class TrainOptions:
     config: str | None = option(
         None, "YAML or TOML file of options (flags override it).", saved=False
     )
-    dry_run: bool = option(False, "Print the plan; contact no server.", saved=False)
+    dry_run: bool = option(
+        False,
+        "Print the plan and an estimate of the wall time: from an earlier run of the same "
+        "settings on the same server, else a calibration of a few steps on the server if one "
+        "answers (no run folder is written).",
+        saved=False,
+    )
+    no_estimate: bool = option(False, "With --dry-run: the plan only, no estimate.", saved=False)
     detach: bool = option(
         False,
         "Check everything, then run in the background: print the run id and log, return at "
@@ -125,6 +145,24 @@ class PolicyOptions(TrainOptions):
         None, "KL reference: a tinker://.../sampler_weights/... checkpoint (default: base model)."
     )
     eval_every: int = option(0, "Evaluate every N steps (0: never).", min=0)
+
+
+LORA_TARGETS = ("attn", "mlp", "unembed")
+
+
+def lora_switches(targets: str | None) -> dict[str, bool] | None:
+    """``--lora-targets`` as the Tinker API's switches (``train_attn``, ...); None: the
+    server's default. One line naming the flag for an unknown or empty list."""
+    if targets is None:
+        return None
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    unknown = [n for n in names if n not in LORA_TARGETS]
+    if unknown or not names:
+        raise RlcliError(
+            f"--lora-targets {targets!r}: a comma list of {', '.join(LORA_TARGETS)}"
+            + (f" ({unknown[0]!r} is none of them)" if unknown else "")
+        )
+    return {f"train_{t}": t in names for t in LORA_TARGETS}
 
 
 def write_config(run_dir: Path, opts, command: str) -> Path:

@@ -23,6 +23,7 @@ from rlcli import recipes
 from rlcli.compat import run_hooks, skyrl_client
 from rlcli.compat.run_hooks import RunCancelled
 from rlcli.launch.pids import die_with_parent
+from rlcli.recipes.options import lora_switches
 from rlcli.runs.folder import CANCEL, CONSOLE, ERROR_PREFIX, SPEC, STATUS, SUMMARY
 from rlcli.runs.runner import CANCELLED_EXIT, PARENT_PID_ENV
 
@@ -104,14 +105,19 @@ def _run(folder: Path) -> int:
             return  # no summary follows a cancel
         status(after if phase == "recipe finished" else phase, **fields)
 
-    from rlcli.compat import renderers
+    from rlcli.compat import renderers, tokenizers
 
     renderers.register()  # the model's own chat template, if the plan chose it
+    options = spec.get("options") or {}
+    tokenizers.register(options.get("model"), options.get("teacher"))
     run_hooks.install_cancel_hook(cancel_requested(folder), report)  # first: see run hooks
     run_hooks.install_run_hooks(report, seed=int((spec.get("options") or {}).get("seed") or 0))
     skyrl_client.release_adapters_at_exit()  # SkyRL holds a LoRA slot per client until its timeout
     skyrl_client.accept_unnumbered_samples()  # SkyRL answers samples the 0.25 way
-    run_hooks.send_lora_alpha((spec.get("options") or {}).get("lora_alpha"))
+    settings = spec.get("options") or {}
+    run_hooks.send_lora_config(
+        settings.get("lora_alpha"), lora_switches(settings.get("lora_targets"))
+    )
 
     try:
         recipe = recipes.get(spec["recipe"])

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rlcli.server.errors import UserError
+from rlcli.server.http import aliases as routes_aliases
 from rlcli.server.http import d2l as routes_d2l
 from rlcli.server.http.openai import routes as routes_openai
 from rlcli.server.http.tinker import checkpoints as routes_checkpoints
@@ -83,6 +84,7 @@ def create_app(settings: Settings) -> FastAPI:
         routes_checkpoints,
         routes_rest,
         routes_openai,
+        routes_aliases,
         routes_d2l,
     ):
         app.include_router(module.router, dependencies=guarded)

@@ -22,6 +22,7 @@ from fastapi import Depends, HTTPException, Request
 from rlcli.home import rlcli_home
 from rlcli.models.names import resolve_model_name
 from rlcli.server.engine import ops
+from rlcli.server.state.aliases import Aliases
 from rlcli.server.state.engine_client import EngineClient, EngineUnavailable
 from rlcli.server.state.futures import FutureStore
 from rlcli.server.store import checkpoints
@@ -120,6 +121,7 @@ class ServerState:
         self.archives: dict[str, tuple[Path, float]] = {}  # download token -> (name, expiry)
         self.checkpoints_root = Path(settings.checkpoints_dir or rlcli_home() / "checkpoints")
         self.checkpoints_root.mkdir(parents=True, exist_ok=True)
+        self.aliases = Aliases(self.checkpoints_root)  # model names for served checkpoints
         self.tars = Archives(self.checkpoints_root / checkpoints.STAGING / "archives")
         self.chat_tokenizer: Any = None  # the OpenAI endpoint's (routes_openai.tokenizer)
         self.chat_tokenizer_lock = asyncio.Lock()

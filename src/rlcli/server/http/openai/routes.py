@@ -7,8 +7,9 @@ the running batch. ``stream: true`` answers server-sent events from that loop as
 drawn (``SampleJob.stream``: the engine sends each step's tokens before the reply); a client
 that goes away cancels its requests, and the engine drops their rows before its next step.
 Errors, here and in ``app.py`` for every ``/v1`` path, have OpenAI's shape
-(``{"error": {"message", "type", "param", "code"}}``). ``model`` is the base model or a
-``tinker://.../sampler_weights/...`` path the server holds.
+(``{"error": {"message", "type", "param", "code"}}``). ``model`` is the base model, a
+``tinker://.../sampler_weights/...`` path the server holds, or an alias (``state/aliases.py``),
+resolved once per request; the ``x-rlcli-checkpoint`` header names the checkpoint that answered.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, HTTPException
+from fastapi.responses import JSONResponse
 
 from rlcli.server.engine import ops
 from rlcli.server.engine.sampling import SampleJob
@@ -35,6 +37,7 @@ log = logging.getLogger("rlcli.server")
 
 router = APIRouter(prefix="/v1")
 
+CHECKPOINT_HEADER = "x-rlcli-checkpoint"  # the checkpoint that answered (an alias's, resolved)
 POLL_S = 30.0  # a non-streaming answer is awaited in windows of this (it never times out)
 
 
@@ -59,6 +62,19 @@ async def _models(state: ServerState) -> list[dict[str, Any]]:
     text = await tokenizer(state)
     base = state.settings.base_model
     out = [
+        {
+            "id": alias["name"],
+            "object": "model",
+            "created": int(alias["updated"]),
+            "owned_by": "rlcli",
+            "root": alias["base_model"],
+            "parent": alias["checkpoint"],
+            "max_model_len": info["max_context"],
+            "alias_version": alias["current"],
+        }
+        for alias in state.aliases.listing()
+    ]
+    out += [
         {
             "id": base,
             "object": "model",
@@ -90,8 +106,9 @@ async def _models(state: ServerState) -> list[dict[str, Any]]:
 
 def _unknown_model(state: ServerState, model: str) -> OpenAIError:
     return OpenAIError(
-        f"model: {model!r} is not served here (the base model {state.settings.base_model!r} or "
-        "a tinker://.../sampler_weights/... path this server holds; GET /v1/models lists them)",
+        f"model: {model!r} is not served here (the base model {state.settings.base_model!r}, "
+        "an alias or a tinker://.../sampler_weights/... path this server holds; GET /v1/models "
+        "lists them)",
         "model",
         404,
         "model_not_found",
@@ -99,6 +116,21 @@ def _unknown_model(state: ServerState, model: str) -> OpenAIError:
 
 
 def _resolve_model(state: ServerState, model: str) -> SamplerRef:
+    """The checkpoint a request samples from, decided once: an alias is read here, so every
+    row of the request uses the version it named when the request arrived."""
+    version = state.aliases.resolve(model)
+    if version is not None:
+        try:
+            return _resolve_served(state, version["checkpoint"])
+        except OpenAIError as e:
+            raise OpenAIError(
+                f"model: alias {model!r} names {version['checkpoint']}, which this server no "
+                f"longer holds ({e})", "model", 404, "model_not_found",
+            ) from None  # fmt: skip
+    return _resolve_served(state, model)
+
+
+def _resolve_served(state: ServerState, model: str) -> SamplerRef:
     if model.startswith("tinker://"):
         try:
             return _sampler_ref(state, model, None, None)
@@ -239,13 +271,16 @@ async def _answer(state: ServerState, ref: SamplerRef, text: ChatTokenizer, plan
         request_ids.append(request_id)
     ends = text.eos_ids | frozenset(plan.jobs[0].stop_tokens)  # tokens that end, not text
     choices = [TextStream(text.decode, plan.stops, ends) for _ in range(len(plan.jobs) * plan.n)]
+    served = {CHECKPOINT_HEADER: ref.model_path or ref.base_model}
     if plan.jobs[0].stream:
         answer = Answer(plan, text, choices, request_ids)
-        return Stream(answer.events(events), on_close=lambda: answer.close(state))
+        stream = Stream(answer.events(events), on_close=lambda: answer.close(state))
+        stream.headers.update(served)
+        return stream
     outputs = []
     for request_id in request_ids:
         outputs.append(_result(await _wait(state, request_id)))
-    return whole(plan, text, choices, outputs)
+    return JSONResponse(whole(plan, text, choices, outputs), headers=served)
 
 
 async def _wait(state: ServerState, request_id: str) -> Outcome:

@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from rlcli.compat.renderer_choice import resolve_renderer
+from rlcli.models.tokenizer import load_tokenizer
 from rlcli.server.errors import UserError
 
 log = logging.getLogger("rlcli.server")
@@ -26,9 +27,7 @@ class ChatTokenizer:
     """The base model's tokenizer: chat prompts, plain prompts, and decoding."""
 
     def __init__(self, base_model: str, eos_ids: list[int]) -> None:
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(base_model)
+        self.tokenizer = load_tokenizer(base_model)
         self.eos_ids = frozenset(eos_ids)
         self.has_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.rlcli_renderer, self.agrees = _compare_with_renderer(base_model, self)

@@ -1,0 +1,1 @@
+"""``rlcli learn``: the continual-learning loop (round.py), its traces, gate and report."""

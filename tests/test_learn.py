@@ -1,0 +1,191 @@
+"""``rlcli learn`` on the shared tiny-model server: a round trained on corrections is promoted
+(held-out 0 -> 100: every door's password is "zebra"), a round on shuffled corrections is
+refused by the gate with the alias unchanged; the receipt, history, status and plot; a dry run
+writes nothing; too few traces and a concurrent round are one line; kill -9 mid-training and
+after evaluation, then a rerun: no second training, the alias moved once."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cli
+
+
+def traces(path: Path, doors: range, answer, prefix: str) -> Path:
+    """Judged traces as ``rlcli import -f langsmith`` writes them: a wrong answer, a score of
+    0 and a correction."""
+    rows = []
+    for i in doors:
+        rows.append({
+            "messages": [{"role": "user", "content": f"What is the password for door {i}?"},
+                         {"role": "assistant", "content": "I do not know."}],
+            "feedback": [{"key": "correct", "score": 0, "value": None, "comment": None,
+                          "correction": {"outputs": {"content": answer(i)}}, "source": "app"}],
+            "origin": {"format": "langsmith", "trace_id": f"{prefix}-{i}", "call_id": "c"},
+        })  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+FAST = ["--lr", "5e-3", "--epochs", "2", "--max-tokens", "8"]
+
+
+def learn(home: Path, server, *args):
+    env = {"RLCLI_HOME": str(home)}
+    return cli("learn", *args, "--base-url", server.base_url, *FAST, env=env)
+
+
+def alias_history(server, name: str) -> dict:
+    out = cli("alias", "history", name, "--base-url", server.base_url, "--json")
+    return json.loads(out.stdout)
+
+
+def test_a_round_is_promoted_and_a_shuffled_round_refused(tmp_path, server, tiny_model):
+    home = tmp_path / "home"
+    assert (
+        cli("alias", "set", "doors", str(tiny_model), "--base-url", server.base_url).returncode == 0
+    )
+    first = traces(tmp_path / "week1.jsonl", range(24), lambda i: "zebra", "w1")
+    plan = learn(home, server, "--alias", "doors", "--traces", first, "--dry-run", "--json")
+    assert plan.returncode == 0, plan.stderr
+    planned = json.loads(plan.stdout)
+    assert planned["traces"]["new"] == 24 and planned["method"] == "sl"
+    assert planned["traces"]["train"] + planned["traces"]["held_out"] == 24
+    assert not (home / "learn" / "doors" / "001").exists()  # a dry run writes nothing
+
+    done = learn(home, server, "--alias", "doors", "--traces", first, "--json")
+    assert done.returncode == 0, done.stderr
+    receipt = json.loads(done.stdout)
+    assert receipt["decision"] == "promoted", receipt["why"]
+    held = receipt["scores"]["held_out"]
+    assert held["current"]["mean"] == 0.0 and held["candidate"]["mean"] == 1.0
+    assert held["current"]["n"] == planned["traces"]["held_out"]
+    assert set(receipt["seconds"]) == {"data", "train", "eval", "promote"}
+    saved = json.loads((home / "learn" / "doors" / "001" / "receipt.json").read_text())
+    assert saved == receipt
+    log = alias_history(server, "doors")["log"]
+    assert log[-1]["checkpoint"] == receipt["candidate"]["checkpoint"]
+    assert log[-1]["why"].startswith("learn round 1: held-out 0.0 -> 100.0")
+    assert (home / "learn" / "doors" / "scores.png").stat().st_size > 0
+
+    again = learn(home, server, "--alias", "doors", "--traces", first)
+    assert again.returncode == 1 and "0 judged traces not used before" in again.stderr
+
+    rng = random.Random(0)
+    words = ["apple", "river", "stone", "cloud", "maple", "tiger", "piano", "ocean"]
+    shuffled = traces(tmp_path / "week2.jsonl", range(100, 124), lambda i: rng.choice(words), "w2")
+    refused = learn(home, server, "--alias", "doors", "--traces", first, "--traces", shuffled,
+                    "--json")  # fmt: skip
+    assert refused.returncode == 0, refused.stderr
+    second = json.loads(refused.stdout)
+    assert second["decision"] == "refused" and second["traces"]["already_used"] == 24
+    assert (
+        alias_history(server, "doors")["log"][-1]["checkpoint"]
+        == receipt["candidate"]["checkpoint"]
+    )  # unchanged
+    rounds = json.loads(cli("learn", "history", "--alias", "doors", "--json",
+                            env={"RLCLI_HOME": str(home)}).stdout)  # fmt: skip
+    assert [r["decision"] for r in rounds] == ["promoted", "refused"]
+    status = json.loads(cli("learn", "status", "--alias", "doors", "--json",
+                            env={"RLCLI_HOME": str(home)}).stdout)  # fmt: skip
+    assert status["rounds"] == 2 and status["last_stage"] == "done"
+
+
+def test_refusals_are_one_line(tmp_path, server, tiny_model, monkeypatch):
+    from rlcli.learn.round import locked
+
+    home = tmp_path / "home"
+    cli("alias", "set", "few", str(tiny_model), "--base-url", server.base_url)
+    few = traces(tmp_path / "few.jsonl", range(3), lambda i: "zebra", "few")
+    cases = [
+        (("--alias", "few", "--traces", few), "needs at least 8 (--min-traces)"),
+        (("--alias", "nobody", "--traces", few), "not an alias on"),
+        (("--alias", "few", "--traces", tmp_path / "missing.jsonl"), "no such file"),
+        (("--alias", "few", "--traces", few, "--min-traces", "2", "--method", "rl"),
+         "dpo and rl rounds are not built yet"),
+    ]  # fmt: skip
+    for args, expected in cases:
+        result = learn(home, server, *args)
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, (args, result.stderr)
+        assert expected in result.stderr, (args, result.stderr)
+    monkeypatch.setenv("RLCLI_HOME", str(home))
+    with locked("few"):  # another round holds the alias
+        busy = learn(home, server, "--alias", "few", "--traces", few, "--min-traces", "2")
+    assert busy.returncode == 1 and "a round is already running on this alias" in busy.stderr
+    assert not list((home / "learn" / "few").glob("0*"))
+
+
+def _learn_process(home: Path, server, data: Path, log: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "rlcli.cli.main", "learn", "--alias", "crash", "--traces",
+            str(data), "--base-url", server.base_url, *FAST, "--json"]  # fmt: skip
+    env = {**os.environ, "RLCLI_HOME": str(home)}
+    return subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, "learn ended before the point it was to be killed at"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_kill_9_mid_training_and_after_evaluation_then_rerun(tmp_path, server, tiny_model):
+    from rlcli.runs.runner import metric_values
+
+    home = tmp_path / "home"
+    cli("alias", "set", "crash", str(tiny_model), "--base-url", server.base_url)
+    data = traces(tmp_path / "t.jsonl", range(24), lambda i: "zebra", "k")
+    folder = home / "learn" / "crash" / "001"
+
+    def trained_a_step() -> bool:
+        metrics = folder / "run" / "metrics.jsonl"
+        return metrics.exists() and metrics.read_text().count("\n") >= 1
+
+    _kill_when(_learn_process(home, server, data, tmp_path / "1.log"), trained_a_step)
+    for child in _recipe_children(folder / "run"):  # the recipe child dies with its parent
+        _wait_gone(child)
+    assert not (folder / "trained.json").exists()
+    _kill_when(_learn_process(home, server, data, tmp_path / "2.log"),
+               lambda: (folder / "evaluated.json").exists())  # fmt: skip
+    assert not (folder / "receipt.json").exists()
+    assert len(alias_history(server, "crash")["log"]) == 1  # not promoted before the gate
+    last = _learn_process(home, server, data, tmp_path / "3.log")
+    assert last.wait(300) == 0, (tmp_path / "3.log").read_text()[-2000:]
+    receipt = json.loads((folder / "receipt.json").read_text())
+    assert receipt["decision"] == "promoted"
+    steps = metric_values(folder / "run", "train_mean_nll")["train_mean_nll"]
+    plan = json.loads((folder / "plan.json").read_text())
+    expected = 2 * (plan["traces"]["trained_on"] // min(8, plan["traces"]["trained_on"]))
+    assert len(steps) == expected  # each step once, across the kill and the resume
+    log = alias_history(server, "crash")["log"]
+    assert [e["why"].split(":")[0] for e in log[1:]] == ["learn round 1"]  # one switch
+    assert len(list((home / "learn" / "crash").glob("0*"))) == 1  # no second round
+
+
+def _recipe_children(run_dir: Path) -> list[int]:
+    from conftest import recipe_children
+
+    return recipe_children(run_dir)
+
+
+def _wait_gone(pid: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
