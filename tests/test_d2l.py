@@ -224,3 +224,39 @@ def test_dry_run_plans_and_a_bad_dataset_is_named(tmp_path, tiny_model):
     assert refused.returncode == 1 and "line 2" in refused.stderr
     refused = cli(*base, "--dataset", "synthetic:zero")
     assert refused.returncode == 1 and "synthetic:N" in refused.stderr
+
+
+def test_runs_cancel_saves_the_hypernet_and_a_resume_continues(tmp_path, server, tiny_model):
+    import os
+    import subprocess
+    import time
+
+    from conftest import RLCLI
+    from conftest import run_rlcli as run
+
+    run_dir = tmp_path / "run"
+    args = (
+        "train", "d2l", "--model", str(tiny_model), "--base-url", server.base_url,
+        "--dataset", "synthetic:400", "--batch-size", "4", "--latent", "16",
+        "--chunk-tokens", "64", "--save-every", "0", "--log-path", str(run_dir),
+    )  # fmt: skip
+    env = {"RLCLI_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([*RLCLI, *args], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and proc.poll() is None, "no third step"
+        time.sleep(0.2)
+    cancelled = run("runs", "cancel", str(run_dir), "--json", env=env)
+    assert cancelled.returncode == 0, cancelled.stderr
+    path = json.loads(cancelled.stdout)["checkpoint"]["state_path"]
+    assert "/hypernet_weights/" in path
+    proc.communicate(timeout=60)
+    done = len(metrics.read_text().splitlines())
+    last = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").open()][-1]
+    assert last["cancelled"] and last["batch"] == done
+    again = cli(*args, "--max-steps", str(done + 1), env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in metrics.open()]
+    assert steps == list(range(done + 1))  # picked up where it stopped

@@ -206,10 +206,10 @@ class Loop:
                 losses.append(out["loss"])
                 _append(self.run_dir / METRICS_FILE, {"step": step, **out})
                 step += 1
-                done = step == total
-                if done or (every and step % every == 0) or self._cancelled():
-                    saved.append(self._save(hypernet_id, step))
-                if not done and self._cancelled():
+                done, cancelled = step == total, self._cancelled()
+                if done or (every and step % every == 0) or cancelled:
+                    saved.append(self._save(hypernet_id, step, cancelled and not done))
+                if cancelled and not done:
                     error = RunCancelled(step - 1)
                     error.paths = {"state_path": saved[-1]["state_path"]}
                     raise error
@@ -227,10 +227,12 @@ class Loop:
             "held_out_loss": held,
         }
 
-    def _save(self, hypernet_id: str, step: int) -> dict:
+    def _save(self, hypernet_id: str, step: int, cancelled: bool = False) -> dict:
         name = f"{step:06d}"
         path = self.client.save(hypernet_id, name)["path"]
         row = {"name": name, "batch": step, "state_path": path, "hypernet_path": path}
+        if cancelled:
+            row["cancelled"] = True
         _append(self.run_dir / CHECKPOINTS_FILE, row)
         return row
 
