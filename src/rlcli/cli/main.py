@@ -22,6 +22,7 @@ from rlcli.cli import (
     export,
     hypernet,
     importer,
+    internalize,
     learn,
     models,
     redact,
@@ -48,6 +49,7 @@ app = typer.Typer(
 app.add_typer(serve.app, name="serve")
 app.add_typer(models.app, name="models")
 app.add_typer(train.app, name="train")
+internalize.register(app)
 app.add_typer(evaluate.app, name="eval")
 app.add_typer(runs.app, name="runs")
 app.add_typer(alias.app, name="alias")

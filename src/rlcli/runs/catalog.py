@@ -51,6 +51,7 @@ METRICS = {
     ),
     "dpo": (("dpo_loss", "loss"), ("margin", "margin"), ("accuracy", "accuracy")),
     "opsd": (("teacher_kl", "kl"),),
+    "internalize": (("train_mean_nll", "loss"),),
     "harbor": (("env/all/reward/total", "reward"), ("env/all/test_passed", "passed")),
 }
 
