@@ -84,14 +84,15 @@ def measure(model: Path, kind: str, steps: int) -> dict:
 def child(model: Path, kind: str, steps: int) -> dict:
     import torch
 
-    from rlcli.server.engine import allocator
+    from rlcli.server.engine import allocator, hardware
     from rlcli.server.engine.core import Engine
 
     torch.set_num_threads(1)
     allocator.keep_freed_memory()  # as the engine process does
     engine = Engine(str(model), device="cpu", dtype="bfloat16")
     engine.create_adapter("a", rank=32, seed=0)
-    configs = {"now": (engine.microbatch_tokens, True), "before": (4096, False)}
+    # now: the default where free memory holds it (a machine short of memory takes fewer)
+    configs = {"now": (hardware.CPU_BF16_MICROBATCH_TOKENS, True), "before": (4096, False)}
 
     def use(name: str) -> None:
         tokens, compact = configs[name]
@@ -112,6 +113,7 @@ def child(model: Path, kind: str, steps: int) -> dict:
         use(name)
         step(0)
         result[f"{name}_peak_rss_gb"] = peak_gb()
+        print(f"{kind} {name}: peak {result[f'{name}_peak_rss_gb']:.2f} GB", file=sys.stderr)
     cpu: dict[str, list[float]] = {name: [] for name in configs}
     for i in range(steps):
         for name in configs if i % 2 == 0 else reversed(list(configs)):
