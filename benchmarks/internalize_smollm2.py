@@ -112,7 +112,7 @@ async def ask_all(service, render, model: str, jobs: list[tuple]) -> list[str]:
 
     async def one(path, question, document):
         async with semaphore:
-            return await answer(clients[path], render, question, document, 12)
+            return await answer(clients[path], render, question, document, 24)
 
     return await asyncio.gather(*(one(*job) for job in jobs))
 
