@@ -61,6 +61,10 @@ def test_a_round_is_promoted_and_a_shuffled_round_refused(tmp_path, server, tiny
     assert planned["traces"]["new"] == 24 and planned["method"] == "sl"
     assert planned["traces"]["train"] + planned["traces"]["held_out"] == 24
     assert not (home / "learn" / "doors" / "001").exists()  # a dry run writes nothing
+    pairs = learn(home, server, "--alias", "doors", "--traces", first, "--method", "dpo",
+                  "--dry-run", "--json")  # fmt: skip
+    assert json.loads(pairs.stdout)["method"] == "dpo"  # a correction against the answer
+    assert json.loads(pairs.stdout)["traces"]["trained_on"] == planned["traces"]["train"]
 
     done = learn(home, server, "--alias", "doors", "--traces", first, "--json")
     assert done.returncode == 0, done.stderr
@@ -111,7 +115,7 @@ def test_refusals_are_one_line(tmp_path, server, tiny_model, monkeypatch):
         (("--alias", "nobody", "--traces", few), "not an alias on"),
         (("--alias", "few", "--traces", tmp_path / "missing.jsonl"), "no such file"),
         (("--alias", "few", "--traces", few, "--min-traces", "2", "--method", "rl"),
-         "dpo and rl rounds are not built yet"),
+         "rl rounds are not built yet"),
     ]  # fmt: skip
     for args, expected in cases:
         result = learn(home, server, *args)
