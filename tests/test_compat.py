@@ -257,6 +257,20 @@ def test_the_sl_loop_takes_its_learning_rate_from_the_name_warmup_replaces():
     assert steps == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
 
 
+def test_the_sl_loop_sends_a_step_as_the_call_grad_accum_splits():
+    """--grad-accum replaces TrainingClient.forward_backward_async (what the SL loop calls
+    once a step, then optim_step) and merges with the SDK's own chunk combiner."""
+    import inspect
+
+    from tinker.lib.chunked_fwdbwd_helpers import combine_fwd_bwd_output_results
+    from tinker_cookbook.supervised import train
+
+    source = inspect.getsource(train.main)
+    assert "training_client.forward_backward_async(data" in source
+    assert source.index("forward_backward_async(data") < source.index("optim_step_async(")
+    assert combine_fwd_bwd_output_results([]).loss_fn_outputs == []
+
+
 def test_the_dpo_recipe_has_the_seams_train_dpo_hooks():
     import inspect
 

@@ -269,3 +269,41 @@ def test_merging_an_adapted_tied_output_layer_leaves_the_input_embedding_alone(
     assert merged.get_output_embeddings().weight is not embedding
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_push_to_hub_refuses_in_one_line_before_anything_is_written(server, tmp_path):
+    """No hub is reachable here, so the push is tested by its refusals: each is one line,
+    asked before the export starts, and leaves -o unwritten. The stand-in endpoints are a
+    closed port and a live HTTP server that is not a hub (the Tinker server)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    out = tmp_path / "adapter"
+    base = ("export", "-c", "tinker://run-x/sampler_weights/final", "-o", str(out))
+    quiet = {"HF_HUB_OFFLINE": None, "HF_TOKEN": None, "HF_HOME": str(tmp_path / "hf")}
+    token = {**quiet, "HF_TOKEN": "hf_test"}
+    cases = [
+        ("me/my-model", quiet, "--push-to-hub me/my-model: no Hugging Face token (`hf auth"),
+        ("me/my-model", {**token, "HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set; nothing was"),
+        ("a/b/c", token, "--push-to-hub 'a/b/c': not a repository id"),
+        (
+            "me/my-model",
+            {**token, "HF_ENDPOINT": f"http://127.0.0.1:{closed}"},
+            f"cannot reach http://127.0.0.1:{closed} (ConnectError); nothing was exported",
+        ),
+        (
+            "me/my-model",
+            {**token, "HF_ENDPOINT": server.base_url},
+            f"--push-to-hub me/my-model: {server.base_url} answered (HTTP 404)",
+        ),
+    ]
+    for repo, env, message in cases:
+        result = cli(*base, "--push-to-hub", repo, env=env)
+        assert result.returncode == 1, (repo, result.stdout)
+        assert message in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert not out.exists() and not list(tmp_path.glob(".*"))
+    lone = cli(*base, "--hub-private")
+    assert lone.returncode == 1 and "--hub-private: only with --push-to-hub REPO" in lone.stderr

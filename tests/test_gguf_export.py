@@ -19,7 +19,8 @@ TEXT = "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\nzebra ze
 # drives prompt tokens to logprobs near -42. Measured on it: f16 max 0.019 (mean 0.0016;
 # relative to 1 + |logprob| at most 4.6e-4, f16's own step is 4.9e-4), bf16 0.089, q8_0 0.36;
 # merged float32 agrees with the server to 1e-5, so all of it is the format's rounding.
-REL = {"f16": 1e-3, "bf16": 8e-3, "q8_0": 3e-2}
+# q4_0 (4 bits a weight, the gguf package's quantizer): measured 0.10 (2.0 on a logprob of -42).
+REL = {"f16": 1e-3, "bf16": 8e-3, "q8_0": 3e-2, "q4_0": 0.3}
 
 
 def server_logprobs(base_url: str, path: str, tokens: list[int]) -> np.ndarray:
@@ -69,7 +70,7 @@ def test_gguf_export_reads_back_with_the_servers_logprobs(server, tiny_model, ze
 
     tokens = AutoTokenizer.from_pretrained(str(tiny_model)).encode(TEXT)
     want = server_logprobs(server.base_url, zebra["sampler"], tokens)
-    for kind in ("f16", "bf16", "q8_0"):
+    for kind in ("f16", "bf16", "q8_0", "q4_0"):
         out = tmp_path / f"zebra-{kind}.gguf"
         result = export_gguf(server.base_url, zebra["sampler"], out, kind)
         assert result["architecture"] == "qwen3" and result["gguf_type"] == kind
@@ -88,6 +89,28 @@ def test_gguf_export_reads_back_with_the_servers_logprobs(server, tiny_model, ze
         }  # fmt: skip
         relative = np.abs(gguf_logprobs(out, tokens) - want) / (1 + np.abs(want))
         assert relative.max() < REL[kind], (kind, relative.max())
+    check_q4_0(tmp_path / "zebra-q4_0.gguf", tmp_path / "zebra-f16.gguf")
+
+
+def check_q4_0(q4: Path, f16: Path) -> None:
+    """The 4-bit file read back by the gguf reader: its layers' weights are Q4_0 (the output
+    layer Q8_0, as llama.cpp keeps it higher), and each dequantized block of 32 is within
+    Q4_0's step (the block's largest |weight| / 8) of the f16 export's weights."""
+    import gguf
+
+    reference = {t.name: np.asarray(t.data, np.float32) for t in gguf.GGUFReader(str(f16)).tensors}
+    types = {}
+    for t in gguf.GGUFReader(str(q4)).tensors:
+        types[t.name] = t.tensor_type.name
+        if t.tensor_type.name not in ("Q4_0", "Q8_0"):
+            continue
+        got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1, 32)
+        want = reference[t.name].reshape(-1, 32)
+        step = np.abs(want).max(1, keepdims=True) / 8
+        assert np.all(np.abs(got - want) <= step * 1.01 + 1e-3), t.name
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == "Q4_0"
+    assert types["token_embd.weight"] == "Q4_0" and types["output.weight"] == "Q8_0"
+    assert types["output_norm.weight"] == "F32"
 
 
 def test_an_imported_gguf_export_serves_what_was_taught(server, zebra, tmp_path):

@@ -11,7 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from conftest import RLCLI, cli, run_rlcli
 
@@ -498,6 +500,77 @@ def test_lora_targets_put_lora_on_the_chosen_layers_only(tmp_path, server, tiny_
     )  # fmt: skip
     assert bad.returncode == 1
     assert "--lora-targets 'attn,embed': a comma list of attn, mlp, unembed ('embed'" in bad.stderr
+
+
+def test_grad_accum_makes_the_update_of_one_big_batch(
+    tmp_path, server, service, tiny_model, chat_file, monkeypatch
+):
+    """--batch-size 4 --grad-accum 2 (two forward_backward requests a step) and --batch-size 8
+    (one): same batches, same seed, the same weights after two steps. The hook itself, on a
+    real client: the step's call becomes 2 requests, results combined in order."""
+    import asyncio
+
+    import tinker
+    from safetensors.torch import load_file
+    from tinker import types
+
+    from rlcli.compat import run_hooks
+
+    sent = []
+    plain = tinker.TrainingClient.forward_backward
+
+    def counted(self, data, *args, **kwargs):
+        sent.append(len(data))
+        return plain(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(tinker.TrainingClient, "forward_backward", counted)
+    monkeypatch.setattr(
+        tinker.TrainingClient,
+        "forward_backward_async",
+        tinker.TrainingClient.forward_backward_async,
+    )  # restored after the test
+    run_hooks.install_grad_accum(2)
+    trainer = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3 + i]),
+            loss_fn_inputs={"target_tokens": [2, 3 + i, 4], "weights": [1.0, 1.0, 1.0]},
+        )
+        for i in range(5)
+    ]
+
+    async def step():
+        future = await trainer.forward_backward_async(data, "cross_entropy")
+        return await future.result_async()
+
+    combined = asyncio.run(step())
+    assert sent == [3, 2] and len(combined.loss_fn_outputs) == 5
+    whole = plain(trainer, data, "cross_entropy").result()
+    for a, b in zip(combined.loss_fn_outputs, whole.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(a["logprobs"].data, b["logprobs"].data, atol=1e-6)
+
+    root = next(
+        p / "checkpoints" for p in Path(server.log_path).parents if (p / "checkpoints").is_dir()
+    )
+    weights = {}
+    for name, extra in (("accum", ("--batch-size", "4", "--grad-accum", "2")),
+                        ("whole", ("--batch-size", "8"))):  # fmt: skip
+        result = quick(
+            "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
+            "--base-url", server.base_url, "--log-path", str(tmp_path / name), "--max-steps",
+            "2", "--lora-rank", "4", "--lr", "1e-2", "--json", *extra,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        run_id = json.loads(result.stdout)["state_path"].split("/")[2]
+        weights[name] = load_file(root / run_id / "weights" / "final" / "adapter_model.safetensors")
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        assert [r["num_sequences"] for r in rows] == [8, 8]
+    assert weights["accum"].keys() == weights["whole"].keys()
+    moved = 0.0
+    for key, value in weights["whole"].items():
+        assert torch.allclose(weights["accum"][key], value, atol=1e-5, rtol=1e-4), key
+        moved = max(moved, float(value.abs().max())) if "lora_B" in key else moved
+    assert moved > 1e-3  # the steps did change the weights
 
 
 def test_lora_alpha_is_refused_by_a_server_that_does_not_take_one():

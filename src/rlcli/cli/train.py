@@ -31,13 +31,18 @@ def _train(recipe, opts) -> None:
     outcome = flow.train(recipe, opts, say=info, stdin=sys.stdin)
     if opts.dry_run:
         if opts.json:
-            emit({**outcome.plan_dict(), "options": outcome.options}, as_json=True)
+            plan = {**outcome.plan_dict(), "options": outcome.options}
+            if outcome.estimate is not None:
+                plan["estimate"] = outcome.estimate
+            emit(plan, as_json=True)
         else:
             emit(outcome.plan_dict(), as_json=False, title="training plan (dry run)")
             shown = {
                 k: json.dumps(v) if isinstance(v, dict) else v for k, v in outcome.options.items()
             }
             emit(shown, as_json=False, title="resolved options")
+            if outcome.estimate is not None:
+                emit(_estimate_rows(outcome.estimate), as_json=False, title="estimate")
     elif outcome.detached is not None:
         result = outcome.detached
         if opts.json:
@@ -49,6 +54,26 @@ def _train(recipe, opts) -> None:
         sys.stdout.write(result["id"] + "\n")
     else:
         emit(outcome.summary, as_json=opts.json, title="done")
+
+
+def _estimate_rows(estimate: dict) -> dict:
+    """The dry run's estimate for people: the time, its range and where it came from."""
+    from rlcli.runs.timing import human
+
+    if estimate.get("seconds") is None:
+        return {"wall time": "unknown", "why": estimate.get("why")}
+    rows = {
+        "wall time": f"about {human(estimate['seconds'])} "
+        f"({human(estimate['low'])} to {human(estimate['high'])})",
+        "from": estimate["from"],
+        "per step": f"{estimate['per_step_s']:.3g} s after a start-up of "
+        f"{human(estimate['startup_s'])}; {estimate['saves']} checkpoint save(s) of "
+        f"{estimate['save_s']:g} s",
+    }
+    if estimate.get("max_minutes"):
+        rows["limit"] = estimate["max_minutes"]
+    rows["uncertainty"] = estimate["note"]
+    return rows
 
 
 def _register(name: str) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from rlcli.checkpoint_format import ARCHIVE_FILES, RESTORE_FILES, STATE_FILES
-from rlcli.client import endpoint
+from rlcli.client import endpoint, hub_push
 from rlcli.client.sample_chat import split_tinker_path
 from rlcli.errors import RlcliError
 from rlcli.flags import BASE_URL_HELP, option
@@ -293,7 +293,9 @@ class ExportOptions:
         "names the file. Llama (SmolLM2) and Qwen2/Qwen3 models.",
     )
     gguf_type: str = option(
-        "f16", "With --gguf: the weights' type.", choices=("f16", "bf16", "q8_0")
+        "f16",
+        "With --gguf: the weights' type (q4_0: 4-bit, by the gguf package's quantizer).",
+        choices=("f16", "bf16", "q8_0", "q4_0"),
     )
     base_model: str | None = option(
         None, "With --merge/--gguf: where to load the base model from (default: the checkpoint's)."
@@ -301,6 +303,12 @@ class ExportOptions:
     force: bool = option(
         False, "Replace an earlier export in the output folder (refused for any other folder)."
     )
+    push_to_hub: str | None = option(
+        None,
+        "Then upload what was written to this Hugging Face model repo (created if missing; "
+        "needs a token: hf auth login or HF_TOKEN).",
+    )
+    hub_private: bool = option(False, "With --push-to-hub: create the repo private.")
     base_url: str | None = option(None, BASE_URL_HELP)
     json: bool = option(False, "Print what was written as JSON.", saved=False)
 
@@ -327,19 +335,27 @@ def export_checkpoint(
     o = options
     if o.gguf_type != "f16" and not o.gguf:
         raise RlcliError("--gguf-type: only with --gguf")
+    if o.hub_private and not o.push_to_hub:
+        raise RlcliError("--hub-private: only with --push-to-hub REPO")
     check_flags(o.gguf, o.with_optimizer)
     check_source(path, o.with_optimizer)
+    if o.push_to_hub:  # everything that can refuse the push, before anything is written
+        hub_push.check(o.push_to_hub)
     url, where = endpoint.resolve_base_url(o.base_url)
     endpoint.check_server(url, source=where, timeout=5)
     say(endpoint.describe(url, where))
     if o.gguf:
-        return export_gguf(
+        result = export_gguf(
             url, path, out, gguf_type=o.gguf_type, base_model=o.base_model, force=o.force, say=say
         )
-    return export(
-        url, path, out, merge_model=o.merge, with_optimizer=o.with_optimizer,
-        base_model=o.base_model, force=o.force, say=say,
-    )  # fmt: skip
+    else:
+        result = export(
+            url, path, out, merge_model=o.merge, with_optimizer=o.with_optimizer,
+            base_model=o.base_model, force=o.force, say=say,
+        )  # fmt: skip
+    if o.push_to_hub:
+        result["hub"] = hub_push.push(out, o.push_to_hub, private=o.hub_private, say=say)
+    return result
 
 
 def export_gguf(

@@ -6,8 +6,13 @@ a model out: its tensor names (``gguf.get_tensor_name_map``), Llama's q/k rows p
 GGML's rotary layout (Qwen2/Qwen3 use the NeoX layout and are written as they are), norms and
 biases in float32, the byte-level BPE vocabulary (``tokenizer.ggml.model = gpt2``) with its
 merges, special-token ids and chat template (``gguf.SpecialVocab``). Supported: the Llama
-family (SmolLM2) and Qwen2/Qwen3 (the tiny test model); ``f16``, ``bf16`` and ``q8_0`` (2-D
-weights whose rows are a multiple of 32; the others stay f16).
+family (SmolLM2) and Qwen2/Qwen3 (the tiny test model); ``f16``, ``bf16``, ``q8_0`` and
+``q4_0`` (2-D weights whose rows are a multiple of 32; the others stay f16). Every type is
+quantized by the ``gguf`` package's own ``gguf.quants`` (the reference numpy port of ggml's
+quantizers), which writes the classic block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) but not the
+k-quants (Q4_K_M and kin: dequantize only), so the 4-bit type is ``q4_0``; as llama.cpp's
+quantizer does, it keeps a separate output layer at higher precision (Q8_0 here: Q6_K is a
+k-quant).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import numpy as np
 from rlcli.errors import RlcliError
 
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-TYPES = ("f16", "bf16", "q8_0")
+TYPES = ("f16", "bf16", "q8_0", "q4_0")
 
 
 def _permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -33,14 +38,18 @@ def _permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _encode(data: np.ndarray, kind: str):
-    """(array to write, its GGML type or None) for one float32 tensor."""
+def _encode(data: np.ndarray, kind: str, output: bool = False):
+    """(array to write, its GGML type or None) for one float32 tensor; ``output``: the output
+    layer (q4_0 keeps it at q8_0)."""
     import gguf
 
     if data.ndim < 2:  # norms and biases: float32, as llama.cpp keeps them
         return data.astype(np.float32), None
     if kind == "bf16":
         qtype = gguf.GGMLQuantizationType.BF16
+        return gguf.quants.quantize(data, qtype), qtype
+    if kind == "q4_0" and data.shape[-1] % 32 == 0:
+        qtype = gguf.GGMLQuantizationType.Q8_0 if output else gguf.GGMLQuantizationType.Q4_0
         return gguf.quants.quantize(data, qtype), qtype
     if kind == "q8_0" and data.shape[-1] % 32 == 0:
         qtype = gguf.GGMLQuantizationType.Q8_0
@@ -55,6 +64,7 @@ def _file_type(kind: str):
         "f16": gguf.LlamaFileType.MOSTLY_F16,
         "bf16": gguf.LlamaFileType.MOSTLY_BF16,
         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
     }[kind]
 
 
@@ -169,7 +179,7 @@ def write_gguf(folder: Path, out: Path, kind: str = "f16", name: str | None = No
             data = _permute(data, n_head)
         elif arch == "llama" and hf_name.endswith("k_proj.weight"):
             data = _permute(data, n_kv)
-        array, qtype = _encode(data, kind)
+        array, qtype = _encode(data, kind, output=gguf_name == "output.weight")
         writer.add_tensor(gguf_name, array, raw_dtype=qtype)
         written += 1
     writer.write_header_to_file()

@@ -53,6 +53,41 @@ def install_lr_warmup(warmup_steps: int) -> None:
     setattr(sl_train, SL_LR_MULTIPLIER, multiplier)
 
 
+def install_grad_accum(requests: int) -> None:
+    """``train sl --grad-accum N`` in its child: the cookbook's supervised loop sends a step's
+    batch as one ``forward_backward_async`` and then ``optim_step``; this sends it as ``N``
+    ``forward_backward`` requests instead (in order, each a slice of the batch), whose
+    gradients the server sums before the one optim_step, and hands the loop their results
+    combined as the SDK combines its own chunks (``combine_fwd_bwd_output_results``). Every
+    Tinker loss is a sum over tokens, so the update is the whole batch's."""
+    if requests <= 1:
+        return
+    import tinker
+    from tinker.lib.chunked_fwdbwd_helpers import combine_fwd_bwd_output_results
+
+    class Accumulated:  # the part of an APIFuture the loop awaits
+        def __init__(self, futures) -> None:
+            self.futures = futures
+
+        async def result_async(self, timeout: float | None = None):
+            results = [await f.result_async(timeout) for f in self.futures]
+            return combine_fwd_bwd_output_results(results)
+
+        def result(self, timeout: float | None = None):
+            return combine_fwd_bwd_output_results([f.result(timeout) for f in self.futures])
+
+    async def forward_backward_async(self, data, loss_fn, loss_fn_config=None):
+        size = max(1, -(-len(data) // requests))
+        return Accumulated(
+            [
+                self.forward_backward(data[i : i + size], loss_fn, loss_fn_config)
+                for i in range(0, len(data), size)
+            ]
+        )
+
+    tinker.TrainingClient.forward_backward_async = forward_backward_async
+
+
 def install_run_hooks(report, seed: int = 0) -> None:
     """Patch the pinned cookbook, in the recipe's child process only, so that ``train sl``
     resumes exactly, a run's LoRA initialisation follows its ``seed`` (the recipes ask for a

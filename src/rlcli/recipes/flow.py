@@ -10,6 +10,7 @@ failure is an exception (``RlcliError``; ``RunFailed`` for a run that started).
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from rlcli.launch.pids import start_ticks
 from rlcli.models.gguf import local_model
 from rlcli.recipes import options, preflight
 from rlcli.recipes.base import Plan, Recipe
+from rlcli.recipes.estimate import estimate
 from rlcli.runs import folder, runner
 from rlcli.runs.folder import DETACHED_LOG
 
@@ -30,13 +32,14 @@ from rlcli.runs.folder import DETACHED_LOG
 @dataclass
 class Outcome:
     """What ``train`` did: the plan and the options as the run uses them (saved as its
-    config.yaml), and the run's ``summary`` (None: a dry run, or ``detached``, what a run
-    started in the background can be followed with)."""
+    config.yaml), and the run's ``summary`` (None: a dry run, with its ``estimate``, or
+    ``detached``, what a run started in the background can be followed with)."""
 
     plan: Plan
     options: dict[str, Any]
     summary: dict | None = None
     detached: dict | None = None
+    estimate: dict | None = None  # a dry run's estimate of the wall time (recipes/estimate.py)
 
     @property
     def run_dir(self) -> str:
@@ -59,6 +62,7 @@ def train(
 
 
 def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
+    began = time.monotonic()
     if opts.wandb_project or opts.wandb_name:
         require_wandb(opts)
     options.lora_switches(opts.lora_targets)  # a bad list is one line, before anything
@@ -86,6 +90,9 @@ def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
     say(f"renderer: {plan.renderer} ({plan.renderer_source})")
     outcome = Outcome(plan, flags.saved(run_opts))
     if opts.dry_run:
+        if not opts.no_estimate:
+            prepare_s = time.monotonic() - began
+            outcome.estimate = estimate(recipe, run_opts, plan, data, url, source, prepare_s, say)
         return outcome
     say(endpoint.describe(url, source))
     served_by = check_server(recipe, run_opts, plan, url, source, say)
@@ -110,6 +117,7 @@ def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
         report=progress or say,
         tokens_key=recipe.tokens_key,
         base_url=run_opts.base_url,
+        max_minutes=run_opts.max_minutes,
     )
     return outcome
 
@@ -156,7 +164,6 @@ def detach(recipe: Recipe, opts, plan) -> dict:
     the folder by ``commit`` and ``config.yaml`` names that copy. Returns how to follow it."""
     import os
     import subprocess
-    import time
 
     run_dir = Path(plan.run_dir).resolve()
     config = options.write_config(run_dir, opts, recipe.command)
@@ -164,6 +171,8 @@ def detach(recipe: Recipe, opts, plan) -> dict:
     lock_fd = runner.lock_run_dir(run_dir)
     argv = [sys.executable, "-m", "rlcli.cli.main", *recipe.command.split()[1:]]
     argv += ["--config", str(config), "--log-path", str(run_dir)]
+    if opts.max_minutes is not None:  # not a setting of the run: of this command
+        argv += ["--max-minutes", repr(opts.max_minutes)]
     env = {**os.environ, runner.INHERITED_LOCK_ENV: f"{lock_fd}:{run_dir}"}
     with log.open("a") as out:
         out.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv[1:])}\n")

@@ -76,6 +76,14 @@ class TrainOptions:
     lr: float = option(1e-4, "Learning rate.", flags=("--learning-rate",), gt=0)
     save_every: int = option(20, "Checkpoint every N steps (0: only at the end).", min=0)
     max_steps: int | None = option(None, "Stop after this many steps.", min=1)
+    max_minutes: float | None = option(
+        None,
+        "Stop cleanly after M minutes (fractions too): at the first step boundary past the "
+        "limit, with a checkpoint; exit 0. The resume command it prints continues the run "
+        "(with no limit unless given again).",
+        gt=0,
+        saved=False,
+    )
     seed: int = option(
         0, "Seed for data order, LoRA initialisation and rollouts (same seed, same run).", min=0
     )
@@ -89,7 +97,14 @@ class TrainOptions:
     config: str | None = option(
         None, "YAML or TOML file of options (flags override it).", saved=False
     )
-    dry_run: bool = option(False, "Print the plan; contact no server.", saved=False)
+    dry_run: bool = option(
+        False,
+        "Print the plan and an estimate of the wall time: from an earlier run of the same "
+        "settings on the same server, else a calibration of a few steps on the server if one "
+        "answers (no run folder is written).",
+        saved=False,
+    )
+    no_estimate: bool = option(False, "With --dry-run: the plan only, no estimate.", saved=False)
     detach: bool = option(
         False,
         "Check everything, then run in the background: print the run id and log, return at "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlcli.compat.renderer_choice import resolve_renderer
-from rlcli.compat.run_hooks import install_lr_warmup
+from rlcli.compat.run_hooks import install_grad_accum, install_lr_warmup
 from rlcli.data import tables
 from rlcli.data.chat import read_conversations
 from rlcli.errors import RlcliError
@@ -36,7 +36,13 @@ class SLOptions(TrainOptions):
         help="Chat JSONL ({'messages': [...]}), - for stdin, a parquet/arrow file or folder, "
         "or a Hugging Face dataset id (NAME or NAME:SPLIT; rows with a messages column)."
     )
-    batch_size: int = option(8, "Conversations per step.", min=1)
+    batch_size: int = option(8, "Conversations per forward_backward request.", min=1)
+    grad_accum: int = option(
+        1,
+        "Gradient accumulation: each step sums the gradients of N requests of --batch-size "
+        "conversations, then one optimizer step (an effective batch of N x --batch-size).",
+        min=1,
+    )
     lr: float = retune(TrainOptions, "lr", 1e-4)
     lr_schedule: str = option(
         "linear",
@@ -112,11 +118,13 @@ class SL(Recipe):
                 f"--test-size {opts.test_size}: holds out all {len(conversations)} conversations"
             )
         train_examples = len(conversations) - held_out
-        batches = train_examples // opts.batch_size
+        per_step = opts.batch_size * opts.grad_accum
+        batches = train_examples // per_step
         if batches == 0:
+            times = f" x --grad-accum {opts.grad_accum}" if opts.grad_accum > 1 else ""
             raise RlcliError(
-                f"--batch-size {opts.batch_size}: larger than the {train_examples} training "
-                "conversations; lower it"
+                f"--batch-size {opts.batch_size}{times}: larger than the {train_examples} "
+                "training conversations; lower it"
             )
         steps = base.capped(batches * opts.epochs, opts)
         if opts.warmup_steps >= steps:
@@ -135,7 +143,7 @@ class SL(Recipe):
             held_out=held_out,
             train_examples=train_examples,
             batches_per_epoch=batches,
-            dropped_per_epoch=train_examples - batches * opts.batch_size,
+            dropped_per_epoch=train_examples - batches * per_step,
             steps=steps,
             renderer=renderer,
             renderer_source=source,
@@ -172,7 +180,12 @@ class SL(Recipe):
             file_path=plan["dataset_path"],
             test_size=plan["held_out"],
             shuffle_seed=opts["seed"],
-            common_config=chat_builder_config(spec, train_on_what=TRAIN_ON[opts["train_on"]]),
+            common_config=chat_builder_config(
+                spec,
+                train_on_what=TRAIN_ON[opts["train_on"]],
+                # a step's batch; run_hooks.install_grad_accum splits it into the requests
+                batch_size=opts["batch_size"] * opts.get("grad_accum", 1),
+            ),
         )
         return train.Config(
             **self.cookbook_kwargs(spec),
@@ -195,6 +208,7 @@ class SL(Recipe):
 
         config = self.cookbook_config(spec)
         install_lr_warmup(spec["options"]["warmup_steps"])
+        install_grad_accum(spec["options"].get("grad_accum", 1))
         asyncio.run(train.main(config))
         losses = metric_values(Path(config.log_path), "train_mean_nll")["train_mean_nll"]
         summary = base.summary_of(
@@ -233,5 +247,5 @@ def chat_builder_config(spec: dict, **extra):
     from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 
     return ChatDatasetBuilderCommonConfig(
-        **base.dataset_kwargs(spec, "max_length", "batch_size"), **extra
+        **{**base.dataset_kwargs(spec, "max_length", "batch_size"), **extra}
     )

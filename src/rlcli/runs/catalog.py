@@ -38,7 +38,7 @@ from rlcli.runs.folder import (
 )
 
 LIVE = ("starting", "running")
-EXIT_OF = {"finished": 0, "failed": 1, "cancelled": 4, "interrupted": 130}
+EXIT_OF = {"finished": 0, "stopped": 0, "failed": 1, "cancelled": 4, "interrupted": 130}
 
 # What each kind of run is judged by: (metrics.jsonl key, label), the first is the headline.
 METRICS = {

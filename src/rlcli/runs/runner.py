@@ -23,7 +23,10 @@ the run folder; its console output goes to ``console.log`` there. This side:
   is a run killed hard). Folders outside ``$RLCLI_HOME/runs`` are listed in its ``index.txt``;
 - ``rlcli runs cancel`` writes ``rlcli_cancel`` (this process's pid) into the folder; the child
   checks it at each step boundary (``run_hooks.install_cancel_hook``), saves a checkpoint and exits
-  with ``CANCELLED_EXIT``; the run is recorded as cancelled.
+  with ``CANCELLED_EXIT``; the run is recorded as cancelled. ``--max-minutes`` writes the same
+  request when its time is up, and the run is recorded as stopped (exit 0);
+- times the run (``timing.StepClock``: start-up, steps, final save) into its record, which
+  ``train --dry-run``'s estimate reads.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from rlcli.launch.pids import start_ticks, stop_child
 from rlcli.runs import folder
 from rlcli.runs.folder import CANCEL, CONSOLE, LOCK, SPEC, STATUS, SUMMARY
 from rlcli.runs.progress import Follower, Reporter, StepLine
+from rlcli.runs.timing import StepClock
 
 __all__ = ["StepLine", "run_recipe", "lock_run_dir", "write_spec"]
 
@@ -198,13 +202,19 @@ def run_recipe(
     report: Callable[[str], None] | Reporter,
     tokens_key: str = "num_tokens",
     base_url: str | None = None,
+    max_minutes: float | None = None,
+    limit_after_first_step: bool = False,
 ) -> dict:
     """Run the recipe in ``run_dir``; returns its summary. ``report`` gets the progress (a
     ``Reporter``; a function printing a line gets the CLI's display); ``show`` maps metric
     keys to the step lines' labels (e.g. ``{"train_mean_nll": "loss"}``); ``tokens_key`` is the
     per-step token count behind tokens/s; ``base_url`` (default: the spec's) is the server whose
-    health is watched. Every way out stops the child first, and leaves the outcome in the run's
-    record (``rlcli_run.json``)."""
+    health is watched; after ``max_minutes`` the recipe is asked to stop at its next step
+    boundary with a checkpoint, as ``runs cancel`` does, and the run ends as "stopped" (exit 0,
+    the summary says where and how to resume; ``limit_after_first_step``: minutes counted from
+    the first step, as the dry run's calibration does). Every way out stops the child first,
+    and leaves the outcome and the run's timing (``timing.StepClock``) in its record
+    (``rlcli_run.json``)."""
     run_dir = Path(run_dir)
     lock_fd = lock_run_dir(run_dir)
     spec = folder.read_json(run_dir / SPEC)
@@ -230,6 +240,8 @@ def run_recipe(
     stop_reason: tuple[str, int] | None = None  # (what happened, exit code)
     child = None
     follower = None
+    clock = StepClock()
+    limit = TimeLimit(max_minutes, clock, limit_after_first_step)
     try:
         follower = Follower(run_dir, total_steps, show, report, tokens_key)
         with (run_dir / CONSOLE).open("a") as console:
@@ -246,10 +258,13 @@ def run_recipe(
             watch.start()
         while True:
             new_steps = follower.poll()
+            clock.steps_arrived(new_steps)
             if child.poll() is not None:
                 if not new_steps:
                     break
                 continue
+            if limit.reached(run_dir):
+                follower.progress.message(limit.message())
             if watch is not None and watch.failure:
                 stop_reason = (f"the server at {base_url} {watch.failure}", 1)
                 break
@@ -265,6 +280,7 @@ def run_recipe(
         end_record(run_dir, record, "failed", 1, f"{type(e).__name__}: {e}")
         raise
     finally:
+        clock.end()
         _ignore_stop_signals()  # stopping is under way: a second Ctrl-C must not cut it short
         if watch is not None:
             watch.stopped.set()
@@ -275,11 +291,57 @@ def run_recipe(
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    record["timing"] = clock.summary()
     try:
+        if limit.hit and stop_reason is None and child.returncode == CANCELLED_EXIT:
+            return _stopped_at_limit(run_dir, record, limit, total_steps, resume_hint)
         return _outcome(run_dir, record, child, stop_reason, watch, base_url, resume_hint)
     finally:
         (run_dir / CANCEL).unlink(missing_ok=True)
         release_run_dir(run_dir)
+
+
+class TimeLimit:
+    """``--max-minutes``: past it, ask the recipe once to stop at its next step boundary."""
+
+    def __init__(self, minutes: float | None, clock: StepClock, after_first_step: bool) -> None:
+        self.minutes, self.clock, self.after_first_step = minutes, clock, after_first_step
+        self.hit = False
+
+    def reached(self, run_dir: Path) -> bool:
+        """True the first time the limit has passed (and the stop was requested then)."""
+        start = self.clock.first if self.after_first_step else self.clock.start
+        if self.hit or self.minutes is None or start is None:
+            return False
+        if time.monotonic() < start + self.minutes * 60:
+            return False
+        self.hit = True
+        folder.request_cancel(run_dir, os.getpid())
+        return True
+
+    def message(self) -> str:
+        return (
+            f"--max-minutes {self.minutes:g} reached: stopping at the end of this step, "
+            "with a checkpoint"
+        )
+
+
+def _stopped_at_limit(run_dir, record, limit: TimeLimit, total_steps: int, resume_hint) -> dict:
+    """The run stopped at ``--max-minutes`` with a checkpoint: recorded as "stopped" and
+    summarised (exit 0: the user asked for the bound)."""
+    done = _steps_done(run_dir)
+    what = f"stopped at --max-minutes {limit.minutes:g} after step {done} of {total_steps}"
+    end_record(run_dir, record, "stopped", 0, what)
+    last = last_checkpoint(run_dir) or {}
+    return {
+        "run_dir": str(run_dir),
+        "stopped": what,
+        "steps_done": done,
+        "total_steps": total_steps,
+        "state_path": last.get("state_path"),
+        "sampler_path": last.get("sampler_path"),
+        "resume": resume_hint,
+    }
 
 
 def _outcome(run_dir, record, child, stop_reason, watch, base_url, resume_hint) -> dict:
