@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--model", help="SmolLM2 folder already converted (default: the GGUF)")
     args = parser.parse_args()
     _receipt.exit_on_sigterm()
 
@@ -87,7 +88,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="learn-loop-"))
     os.environ["RLCLI_HOME"] = str(tmp / "home")
-    model = import_gguf(smollm2_gguf(), tmp / "smollm2")
+    model = Path(args.model) if args.model else import_gguf(smollm2_gguf(), tmp / "smollm2")
     rng = random.Random(0)
     result = {"benchmark": "learn_loop_smollm2", "machine": _receipt.machine(),
               "settings": vars(args), "rounds": []}  # fmt: skip

@@ -193,3 +193,38 @@ def _wait_gone(pid: int, timeout: float = 60) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_smollm2_learns_the_answer_format_from_corrections(tmp_path, smollm2_model):
+    """SmolLM2-135M-Instruct answers "What is A + B? Reply with the number only." with
+    "A + B = C" (0 exact matches); one round on 40 corrections (the sum alone) is promoted and
+    the held-out score rises by at least 20 points."""
+    from conftest import start_server
+    from rlcli.launch import process
+
+    rng = random.Random(0)
+    pairs = [(rng.randint(10, 49), rng.randint(10, 49)) for _ in range(40)]
+    rows = [{
+        "messages": [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."},
+                     {"role": "assistant", "content": f"{a} + {b} = {a + b}"}],
+        "feedback": [{"key": "correct", "score": 0, "correction": str(a + b)}],
+        "origin": {"format": "langsmith", "trace_id": f"sum-{i}", "call_id": "c"},
+    } for i, (a, b) in enumerate(pairs)]  # fmt: skip
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    server_home = tmp_path / "server"
+    record = start_server(server_home, smollm2_model)
+    try:
+        url = ["--base-url", record.base_url]
+        assert cli("alias", "set", "sums", str(smollm2_model), *url).returncode == 0
+        env = {"RLCLI_HOME": str(tmp_path / "home")}
+        out = cli("learn", "--alias", "sums", "--traces", data, "--lr", "3e-4", "--epochs", "2",
+                  "--max-tokens", "12", "--json", *url, env=env)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        receipt = json.loads(out.stdout)
+        held = receipt["scores"]["held_out"]
+        assert receipt["decision"] == "promoted", receipt["why"]
+        assert held["candidate"]["mean"] - held["current"]["mean"] >= 0.2, held
+    finally:
+        process.stop(server_home)

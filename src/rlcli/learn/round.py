@@ -43,9 +43,11 @@ from rlcli.learn.folder import (
     TRAINED,
     learn_dir,
     rounds,
-)  # fmt: skip
+)
 from rlcli.learn.report import plot
 from rlcli.learn.traces import Trace, read_traces
+
+SAVE_EVERY = 2  # steps between a round's training checkpoints: a crash loses at most these
 
 
 class NotEnoughTraces(RlcliError):
@@ -277,8 +279,8 @@ def _train(opts: LearnOptions, url: str, folder: Path, plan: dict, say) -> dict:
     common = dict(
         model=plan["current"]["base_model"], dataset=str(folder / TRAIN), base_url=url,
         batch_size=min(opts.batch_size, rows), epochs=opts.epochs, lr=opts.lr,
-        lora_rank=opts.lora_rank, seed=opts.seed, save_every=0, log_path=str(folder / "run"),
-        init_checkpoint=plan["current"].get("state"),
+        lora_rank=opts.lora_rank, seed=opts.seed, save_every=SAVE_EVERY,
+        log_path=str(folder / "run"), init_checkpoint=plan["current"].get("state"),
     )  # fmt: skip
     if plan["method"] == "dpo":
         options = DPOOptions(**common)
