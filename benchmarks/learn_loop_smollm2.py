@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--questions", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--model", help="SmolLM2 folder already converted (default: the GGUF)")
     args = parser.parse_args()
     _receipt.exit_on_sigterm()

@@ -219,7 +219,7 @@ def test_smollm2_learns_the_answer_format_from_corrections(tmp_path, smollm2_mod
         url = ["--base-url", record.base_url]
         assert cli("alias", "set", "sums", str(smollm2_model), *url).returncode == 0
         env = {"RLCLI_HOME": str(tmp_path / "home")}
-        out = cli("learn", "--alias", "sums", "--traces", data, "--lr", "3e-4", "--epochs", "2",
+        out = cli("learn", "--alias", "sums", "--traces", data, "--lr", "1e-3", "--epochs", "3",
                   "--max-tokens", "12", "--json", *url, env=env)  # fmt: skip
         assert out.returncode == 0, out.stderr
         receipt = json.loads(out.stdout)
