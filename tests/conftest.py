@@ -346,6 +346,97 @@ def recipe_children(run_dir: Path) -> list[int]:
     return pids
 
 
+# ---- a model with tools in its chat template, served with capture on ---------------------
+# (test_tool_calls.py, test_traces.py)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+FINAL = "It is 18C and sunny."
+
+
+def get_weather(city: str) -> str:  # the local function the agent loop calls
+    return f"18C, sunny in {city}"
+
+
+@pytest.fixture(scope="session")
+def tools_model(tmp_path_factory) -> Path:
+    """The tiny model with a Hermes/Qwen-style chat template, built by its CLI."""
+    path = tmp_path_factory.mktemp("models") / "tiny-tools"
+    result = cli("models", "tiny", str(path), "--tools", "--json")
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+@pytest.fixture(scope="session")
+def tools_server(tmp_path_factory, tools_model):
+    """A server of ``tools_model`` that captures every exchange into ``<home>/traces``."""
+    from rlcli.launch import process
+
+    home = tmp_path_factory.mktemp("tools-home")
+    record = start_server(home, tools_model, capture=str(home / "traces"))
+    record.capture = home / "traces"
+    yield record
+    process.stop(home)
+
+
+def teach_tool_use(base_url: str, model: str) -> str:
+    """A LoRA that calls get_weather for QUESTION and, given its output, answers FINAL; taught
+    on the chat template's own tokens through the Tinker SDK. Returns its sampler path."""
+    import tinker
+    from tinker import types
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}  # fmt: skip
+    turns = [
+        (QUESTION, {"role": "assistant", "content": "", "tool_calls": [call]}),
+        (
+            [*QUESTION, {"role": "assistant", "content": "", "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_1", "content": get_weather("Paris")}],
+            {"role": "assistant", "content": FINAL},
+        ),
+    ]  # fmt: skip
+    data = []
+    for history, answer in turns:
+        render = dict(tools=[WEATHER], tokenize=True, return_dict=False)
+        prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, **render)
+        full = tokenizer.apply_chat_template([*history, answer], **render)
+        assert full[: len(prompt)] == prompt
+        full = full[: full.index(tokenizer.eos_token_id, len(prompt)) + 1]  # through <|im_end|>
+        weights = [0.0] * len(prompt) + [1.0] * (len(full) - len(prompt))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(full[:-1]),
+                loss_fn_inputs={"target_tokens": full[1:], "weights": weights[1:]},
+            )
+        )
+    service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
+    trainer = service.create_lora_training_client(base_model=model, rank=16, seed=0).result()
+    for _ in range(60):
+        trainer.forward_backward(data, "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    return trainer.save_weights_for_sampler("tool-user").result().path
+
+
+@pytest.fixture(scope="session")
+def tool_user(tools_server, tools_model) -> str:
+    """The sampler path of a LoRA that calls get_weather and then answers (teach_tool_use)."""
+    return teach_tool_use(tools_server.base_url, str(tools_model))
+
+
 # ---- the previous SDK generation, for tests that drive one server with both ---------------
 
 

@@ -18,7 +18,7 @@ LAYERS = [
     ("runs", ["rlcli.runs."]),
     ("client", ["rlcli.client.", "rlcli.launch.", "rlcli.compat.run_hooks",
                 "rlcli.compat.distill", "rlcli.compat.harbor_hooks",
-                "rlcli.compat.skyrl_client", "rlcli.envs.", "rlcli.harbor."]),
+                "rlcli.compat.skyrl_client", "rlcli.envs.", "rlcli.harbor.", "rlcli.traces."]),
     # The torch backend, below the Tinker API seam, in rooms of its own: the HTTP surface, what
     # the HTTP process keeps, the engine process, and the files and codecs both sides share.
     ("server http", ["rlcli.server.http."]),
@@ -27,8 +27,8 @@ LAYERS = [
     ("server store", ["rlcli.server.store.", "rlcli.server.wire", "rlcli.server.errors",
                       "rlcli.server"]),
     ("base", ["rlcli.models.", "rlcli.compat.", "rlcli.data.", "rlcli.files.",
-              "rlcli.checkpoint_format", "rlcli.errors", "rlcli.home", "rlcli.versions",
-              "rlcli.runs.folder", "rlcli.flags"]),
+              "rlcli.checkpoint_format", "rlcli.trace_format", "rlcli.errors", "rlcli.home",
+              "rlcli.versions", "rlcli.runs.folder", "rlcli.flags"]),
 ]  # fmt: skip
 # Known arrows against the order, each with its reason; the list only shrinks.
 EXCEPTIONS: dict[tuple[str, str], str] = {}
@@ -148,11 +148,13 @@ def test_no_import_reaches_up_a_layer():
 
 def test_the_server_imports_no_client_code():
     """Outside server/: model names, the renderer choice (its OpenAI endpoint renders like
-    ``train``), the pins, the tinker:// rules, whole-file writes, PII redaction (``serve start
-    --capture --redact`` redacts what it records with the same library as ``rlcli redact``;
-    it imports nothing of the client's); never a cookbook hook."""
+    ``train``), the pins, the tinker:// rules, the capture folder's format (the server writes
+    what ``rlcli traces`` reads), whole-file writes, PII redaction (``serve start --capture
+    --redact`` redacts what it records with the same library as ``rlcli redact``; it imports
+    nothing of the client's); never a cookbook hook."""
     allowed = ("rlcli.models.", "rlcli.compat.pins", "rlcli.compat.renderer_choice",
-               "rlcli.compat.renderers", "rlcli.checkpoint_format", "rlcli.files.",
+               "rlcli.compat.renderers", "rlcli.checkpoint_format", "rlcli.trace_format",
+               "rlcli.files.",
                "rlcli.errors", "rlcli.home", "rlcli.versions",
                "rlcli.data.redaction")  # fmt: skip
     edges = imports(modules())

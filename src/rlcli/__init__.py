@@ -11,6 +11,8 @@ import importlib
 _WHERE = {
     "train": "rlcli.api",
     "evaluate": "rlcli.api",
+    "internalize": "rlcli.api",
+    "InternalizeOptions": "rlcli.recipes.internalize",
     "export": "rlcli.api",
     "Message": "rlcli.api",
     "Step": "rlcli.api",

@@ -107,8 +107,8 @@ def _recipe_of(options):
 
 def train(options, *, on_progress: OnProgress | None = None, stdin=None):
     """Run ``rlcli train`` with ``options`` (``SLOptions``, ``RLOptions``, ``DPOOptions``,
-    ``OpsdOptions``, ``HarborOptions``); the command is the options' type. Returns the
-    outcome: ``.summary`` (what ``done`` prints: ``run_dir``, ``state_path``,
+    ``OpsdOptions``, ``HarborOptions``, ``InternalizeOptions``); the command is the options'
+    type. Returns the outcome: ``.summary`` (what ``done`` prints: ``run_dir``, ``state_path``,
     ``sampler_path``, the first and final metrics), ``.plan``, ``.options`` (as saved in the
     run's config.yaml), ``.run_dir``; with ``dry_run=True`` only the plan. ``stdin``: where
     ``dataset="-"`` reads (default: ``sys.stdin``). Raises as the module docstring says."""
@@ -126,6 +126,18 @@ def train(options, *, on_progress: OnProgress | None = None, stdin=None):
         if e.exit_code == 130:  # Ctrl-C, after the checkpoint the recipe saved
             raise KeyboardInterrupt(str(e)) from e
         raise
+
+
+def internalize(options, *, on_progress: OnProgress | None = None, stdin=None):
+    """Run ``rlcli internalize`` with ``options`` (``InternalizeOptions``: ``documents``, a
+    list of paths, and ``model`` at least). Returns the outcome as ``train`` does; its
+    ``.summary["receipt"]`` holds the held-out scores (base, in context, internalized,
+    control), per document and per probe. ``stdin``: where a document ``"-"`` is read."""
+    from rlcli.recipes.internalize import InternalizeOptions
+
+    if not isinstance(options, InternalizeOptions):
+        raise TypeError(f"{type(options).__name__}: expected InternalizeOptions")
+    return train(options, on_progress=on_progress, stdin=stdin)
 
 
 def evaluate(options, *, on_progress: OnProgress | None = None) -> dict:

@@ -81,7 +81,9 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _base_type(hint: Any) -> type:
-    """``int | None`` -> ``int``."""
+    """``int | None`` -> ``int`` (``list[str]`` stays itself)."""
+    if typing.get_origin(hint) is list:
+        return hint
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
 
@@ -228,6 +230,11 @@ def _coerce(f: dataclasses.Field, hint: Any, value: Any, where: str) -> Any:
         raise RlcliError(f"{where}: needs a value")
     if f.metadata["json_value"] and isinstance(value, dict):
         return json.dumps(value)
+    if typing.get_origin(kind) is list:  # a list of strings (one string is a list of one)
+        items = [value] if isinstance(value, str) else value
+        if isinstance(items, list) and items and all(isinstance(v, str) for v in items):
+            return items
+        raise RlcliError(f"{where}: expected a string or a list of strings, got {value!r}")
     if kind is bool:
         if isinstance(value, bool):
             return value

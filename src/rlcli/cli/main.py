@@ -22,6 +22,7 @@ from rlcli.cli import (
     export,
     hypernet,
     importer,
+    internalize,
     learn,
     models,
     redact,
@@ -29,6 +30,7 @@ from rlcli.cli import (
     sample,
     serve,
     tinker_passthrough,
+    traces,
     train,
 )
 from rlcli.errors import Cancelled, RlcliError
@@ -48,8 +50,10 @@ app = typer.Typer(
 app.add_typer(serve.app, name="serve")
 app.add_typer(models.app, name="models")
 app.add_typer(train.app, name="train")
+internalize.register(app)
 app.add_typer(evaluate.app, name="eval")
 app.add_typer(runs.app, name="runs")
+app.add_typer(traces.app, name="traces")
 app.add_typer(alias.app, name="alias")
 app.add_typer(learn.app, name="learn")
 app.add_typer(hypernet.app, name="hypernet")

@@ -20,6 +20,9 @@ def tiny(
     seed: int = typer.Option(0, help="Seed for the weights and the tokenizer corpus."),
     hidden_size: int = typer.Option(64, help="Width of the model."),
     layers: int = typer.Option(2, help="Number of transformer layers."),
+    tools: bool = typer.Option(
+        False, "--tools", help="A chat template with tools (Hermes/Qwen <tool_call> style)."
+    ),
     as_json: bool = JSON,
 ) -> None:
     """Build a tiny Qwen3 model offline, for tests and smoke tests.
@@ -29,7 +32,7 @@ def tiny(
     from rlcli.models.tiny import build_tiny_model
 
     info(f"building a tiny model in {path} ...")
-    out = build_tiny_model(path, seed=seed, hidden_size=hidden_size, num_layers=layers)
+    out = build_tiny_model(path, seed=seed, hidden_size=hidden_size, num_layers=layers, tools=tools)
     emit({"path": str(out), "serve": f"rlcli serve start --base-model {out}"}, as_json=as_json)
 
 

@@ -204,7 +204,8 @@ def cancel(
     run_dir = catalog.resolve(run)
     result = catalog.cancel(run_dir, wait=wait, force=force, report=info)
     kind = catalog.state(run_dir)["kind"] or "sl"
-    result["resume"] = resume_command(f"rlcli train {kind}", str(run_dir))
+    command = f"rlcli train {kind}" if kind != "internalize" else "rlcli internalize"
+    result["resume"] = resume_command(command, str(run_dir))
     if as_json:
         emit(result, as_json=True)
         return

@@ -28,6 +28,23 @@ def _home() -> Path:
     return home
 
 
+def _capture_options(home: Path, capture, folder, tinker: bool, redact: bool) -> dict:
+    if not (capture or folder):
+        for flag, value in (("--capture-tinker", tinker), ("--redact", redact)):
+            if value:
+                raise RlcliError(f"{flag}: only with --capture")
+        return {"capture": None}
+    if redact:
+        import importlib.util
+
+        if importlib.util.find_spec("presidio_analyzer") is None:
+            raise RlcliError(
+                "--redact needs Presidio, which is not installed: pip install 'rlcli[redact]'"
+            )
+    where = (folder or home / "traces").expanduser().resolve()
+    return {"capture": str(where), "capture_tinker": tinker, "capture_redact": redact}
+
+
 @app.command("start")
 def start(
     ctx: typer.Context,
@@ -93,6 +110,21 @@ def start(
     max_upload_gb: float = typer.Option(
         16, min=0.000001, help="Refuse (413) a restore upload larger than this many GiB."
     ),
+    capture: bool = typer.Option(
+        False, "--capture", help="Record every /v1 exchange as a JSON line (docs/traces.md)."
+    ),
+    capture_dir: Path = typer.Option(
+        None, help="Where --capture writes (default $RLCLI_HOME/traces); implies --capture."
+    ),
+    capture_tinker: bool = typer.Option(
+        False, "--capture-tinker", help="With --capture: Tinker sample requests too."
+    ),
+    redact: bool = typer.Option(
+        False, "--redact", help="With --capture: take PII out of each record before it is written."
+    ),
+    capture_max_mb: float = typer.Option(
+        256, min=0.1, help="With --capture: start a new capture file past this many MiB."
+    ),
     wait: float = typer.Option(
         300, help="Seconds to wait for the server to become healthy; then stop it and fail."
     ),
@@ -128,6 +160,8 @@ def start(
     if compile is not None and backend != "torch":
         flag = "--compile" if compile else "--no-compile"
         raise RlcliError(f"{flag}: only for --backend torch (SkyRL's vLLM compiles its own)")
+    if (capture or capture_dir) and backend != "torch":
+        raise RlcliError("--capture: only for --backend torch (rlcli's own server)")
     if backend != "torch":
         _start_skyrl(
             backend, base_model, host, port, device=device, dtype=dtype, api_key=api_key,
@@ -153,11 +187,16 @@ def start(
         raise RlcliError("--api-key: tinker clients only send keys that start with 'tml-'")
     home = _home()
     # Every flag named like a field of the server's options goes to it as given.
-    same = {f.name: ctx.params[f.name] for f in fields(torch_backend.TorchServerOptions)}
+    same = {
+        f.name: ctx.params[f.name]
+        for f in fields(torch_backend.TorchServerOptions)
+        if not f.name.startswith("capture")  # resolved below
+    }
     checkpoints = (checkpoints_dir or home / "checkpoints").expanduser().resolve()
     resolved = {
         "base_model": torch_backend.check_base_model(base_model),
         "checkpoints_dir": str(checkpoints),
+        **_capture_options(home, capture, capture_dir, capture_tinker, redact),
     }
     options = torch_backend.TorchServerOptions(**{**same, **resolved})
     launch = torch_backend.launch(options)

@@ -15,7 +15,7 @@ import typer
 
 from rlcli import flags
 from rlcli.cli._output import emit, info
-from rlcli.recipes import REGISTRY, get
+from rlcli.recipes import TRAIN, get
 
 app = typer.Typer(
     help="Train: supervised fine-tuning (sl), RL on an environment (rl), preference pairs (dpo), "
@@ -24,7 +24,7 @@ app = typer.Typer(
 )
 
 
-def _train(recipe, opts) -> None:
+def run_recipe_command(recipe, opts) -> None:
     """Run the flow, printing what it says; then the plan, the start line or the summary."""
     from rlcli.recipes import flow
 
@@ -52,8 +52,22 @@ def _train(recipe, opts) -> None:
         info(f"started {run_id} in the background (pid {pid}); log: {log}")
         info(f"follow: {result['follow']}; stop: {result['cancel']}")
         sys.stdout.write(result["id"] + "\n")
+    elif "receipt" in outcome.summary and not opts.json:  # internalize: the scores as a table
+        receipt = outcome.summary["receipt"]
+        rows = [
+            {"document": d["document"], "held out": d["held_out"], **_percent(d)}
+            for d in receipt["documents"]
+        ]
+        emit(rows, as_json=False, title=f"held-out probes answered (control: {receipt['control']})")
+        shown = {k: v for k, v in outcome.summary.items() if k != "receipt"}
+        emit(shown, as_json=False, title="done")
     else:
         emit(outcome.summary, as_json=opts.json, title="done")
+
+
+def _percent(scores: dict) -> dict:
+    names = ("base", "in_context", "internalized", "control")
+    return {n: "-" if scores[n] is None else f"{100 * scores[n]:.0f}%" for n in names}
 
 
 def _estimate_rows(estimate: dict) -> dict:
@@ -79,9 +93,9 @@ def _estimate_rows(estimate: dict) -> dict:
 def _register(name: str) -> None:
     recipe = get(name)
     flags.typer_command(
-        app, name, recipe.options, lambda opts: _train(recipe, opts), help=recipe.help
+        app, name, recipe.options, lambda opts: run_recipe_command(recipe, opts), help=recipe.help
     )
 
 
-for _name in REGISTRY:
+for _name in TRAIN:
     _register(_name)

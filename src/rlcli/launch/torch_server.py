@@ -29,6 +29,10 @@ class TorchServerOptions:
     max_body_mb: float = 256.0
     max_upload_gb: float = 16.0
     compile: bool | None = None  # compile the decode step; None: the server's default (GPU: on)
+    capture: str | None = None  # the capture folder (None: capture off; docs/traces.md)
+    capture_tinker: bool = False
+    capture_redact: bool = False
+    capture_max_mb: float = 256.0
 
 
 def check_base_model(name: str, report=None) -> str:
@@ -72,6 +76,10 @@ def server_command(options: TorchServerOptions) -> list[str]:
         command += ["--checkpoints-dir", options.checkpoints_dir]
     if options.compile is not None:
         command.append(f"--{'' if options.compile else 'no-'}compile")
+    if options.capture is not None:
+        command += ["--capture", options.capture, "--capture-max-mb", str(options.capture_max_mb)]
+        command += ["--capture-tinker"] * options.capture_tinker
+        command += ["--capture-redact"] * options.capture_redact
     return command  # the API key travels in the environment (API_KEY_ENV), not in `ps`
 
 

@@ -15,6 +15,42 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# ChatML with tools in the Hermes / Qwen 2.5 way (a shorter system text than Qwen's): the tools
+# as JSON inside <tools></tools> in the system turn, an assistant's calls as
+# <tool_call>{"name", "arguments"}</tool_call> blocks, a tool's answer as a user turn in
+# <tool_response></tool_response>. `rlcli models tiny --tools`; the tool-call tests use it.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nTo call a tool, answer <tool_call>\\n"
+    '{"name": <name>, "arguments": <object>}'
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content"
+    " + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set call = call.function if call.function is defined else call %}"
+    "{%- if not loop.first or message.content %}{{- '\\n' }}{%- endif %}"
+    '{{- \'<tool_call>\\n{"name": "\' + call.name + \'", "arguments": \' }}'
+    "{%- if call.arguments is string %}{{- call.arguments }}"
+    "{%- else %}{{- call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -50,11 +86,13 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     max_position_embeddings: int = 4096,
     seed: int = 0,
+    tools: bool = False,
 ) -> Path:
     """Write a tiny Qwen3 model and its tokenizer to ``path`` and return the path.
 
     The tokenizer is byte-level BPE trained on a generated corpus, with ChatML special tokens
     and chat template (eos ``<|im_end|>``); the model's ``vocab_size`` equals the tokenizer's.
+    ``tools``: the chat template renders tools and tool calls (``TOOLS_TEMPLATE``).
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -81,7 +119,7 @@ def build_tiny_model(
         unk_token=None,
         additional_special_tokens=["<|im_start|>"],
     )
-    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.chat_template = TOOLS_TEMPLATE if tools else CHATML_TEMPLATE
     tokenizer.save_pretrained(out)
 
     torch.manual_seed(seed)

@@ -15,7 +15,9 @@ REGISTRY = {  # the command's name -> "module:Recipe subclass"
     "opsd": "rlcli.recipes.opsd:Opsd",
     "harbor": "rlcli.recipes.harbor:Harbor",
     "d2l": "rlcli.recipes.d2l:D2L",
+    "internalize": "rlcli.recipes.internalize:Internalize",  # its own command, rlcli internalize
 }
+TRAIN = ("sl", "rl", "dpo", "opsd", "harbor", "d2l")  # the recipes that are `rlcli train NAME`
 
 
 def get(name: str):

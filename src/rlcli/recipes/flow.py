@@ -79,7 +79,10 @@ def _train(recipe: Recipe, opts, say, progress, stdin) -> Outcome:
         endpoint.check_server(url, model=opts.model, source=source)
         preflight.Server(url).check_model(opts.model)
 
-    if getattr(opts, "dataset", None) != "-":
+    reads_stdin = getattr(opts, "dataset", None) == "-" or "-" in (
+        getattr(opts, "documents", None) or ()
+    )  # internalize's DOCUMENT -
+    if not reads_stdin:
         stdin = None
 
     with renderer_choice.before_hub_lookup(None if opts.dry_run else hosted):

@@ -204,11 +204,13 @@ def folder_command(run_dir: Path) -> tuple[str, dict[str, Any]] | None:
             settings = yaml.safe_load(text)
         except yaml.YAMLError:
             settings = None
-        if command.startswith("rlcli train ") and isinstance(settings, dict):
+        if command.startswith(("rlcli train ", "rlcli internalize")) and isinstance(settings, dict):
             return command, settings
     try:
         spec = json.loads((Path(run_dir) / SPEC).read_text())
-        return f"rlcli train {spec['recipe']}", dict(spec["options"])
+        from rlcli import recipes
+
+        return recipes.get(spec["recipe"]).command, dict(spec["options"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

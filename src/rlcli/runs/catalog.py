@@ -51,7 +51,9 @@ METRICS = {
     ),
     "dpo": (("dpo_loss", "loss"), ("margin", "margin"), ("accuracy", "accuracy")),
     "opsd": (("teacher_kl", "kl"),),
+    "internalize": (("train_mean_nll", "loss"),),
     "harbor": (("env/all/reward/total", "reward"), ("env/all/test_passed", "passed")),
+    "demo": (("rl_reward", "RL reward"), ("sft_loss", "SFT loss")),  # rlcli demo (demo/record.py)
 }
 
 
@@ -150,10 +152,11 @@ def state(run_dir: Path) -> dict:
         ended = record.get("ended") if record.get("status") not in LIVE else None
         ended = ended or _mtime(run_dir / METRICS_FILE) or _mtime(run_dir / CONSOLE)
     last_label, last_value = None, None
-    for key, label in METRICS.get(kind or "", ())[:1]:
+    for key, label in METRICS.get(kind or "", ()):  # the headline, else the first measured
         values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
         if values:
             last_label, last_value = label, float(values[-1])
+            break
     total = record.get("total_steps") or plan.get("steps")
     return {
         "id": run_dir.name,

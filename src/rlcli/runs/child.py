@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 from rlcli import recipes
@@ -24,7 +23,7 @@ from rlcli.compat import run_hooks, skyrl_client
 from rlcli.compat.run_hooks import RunCancelled
 from rlcli.launch.pids import die_with_parent
 from rlcli.recipes.options import lora_switches
-from rlcli.runs.folder import CANCEL, CONSOLE, ERROR_PREFIX, SPEC, STATUS, SUMMARY
+from rlcli.runs.folder import CANCEL, CONSOLE, ERROR_PREFIX, SPEC, SUMMARY, append_status
 from rlcli.runs.runner import CANCELLED_EXIT, PARENT_PID_ENV
 
 
@@ -40,15 +39,10 @@ class StatusFile:
     """``rlcli_status.jsonl``: one line per phase or count, appended (the parent follows it)."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / STATUS
+        self.run_dir = run_dir
 
     def __call__(self, phase: str, **fields) -> None:
-        line = json.dumps({"phase": phase, "time": time.time(), **fields}) + "\n"
-        try:
-            with self.path.open("a") as f:  # one write of one short line: never interleaved
-                f.write(line)
-        except OSError:  # progress is best effort; never fail a run over it
-            pass
+        append_status(self.run_dir, phase, **fields)
 
 
 def cancel_requested(run_dir: Path):

@@ -48,6 +48,17 @@ def write_spec(run_dir: Path, spec: dict) -> None:
     (Path(run_dir) / SPEC).write_text(json.dumps(spec, indent=2) + "\n")
 
 
+def append_status(run_dir: Path, phase: str, **fields) -> None:
+    """One line of ``rlcli_status.jsonl`` (the parent follows it); best effort, never fails a
+    run over progress."""
+    line = json.dumps({"phase": phase, "time": time.time(), **fields}) + "\n"
+    try:
+        with (Path(run_dir) / STATUS).open("a") as f:  # one short write: never interleaved
+            f.write(line)
+    except OSError:
+        pass
+
+
 def read_json(path: Path) -> dict:
     """A JSON object file, or {} (missing, unreadable, half-written by an old rlcli)."""
     try:

@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-sample-tokens", type=int, default=16384)
     parser.add_argument("--max-body-mb", type=_positive_float, default=256.0)
     parser.add_argument("--max-upload-gb", type=_positive_float, default=16.0)
+    parser.add_argument("--capture", default=None, help="Capture /v1 exchanges into this folder.")
+    parser.add_argument("--capture-tinker", action="store_true")
+    parser.add_argument("--capture-redact", action="store_true")
+    parser.add_argument("--capture-max-mb", type=_positive_float, default=256.0)
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -40,12 +44,17 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from rlcli.server.http.app import create_app  # lazy: imports torch, transformers, tinker
+    from rlcli.server.state.capture import CaptureError
     from rlcli.server.state.sessions import Settings  # lazy: imports torch, transformers, tinker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
     settings = Settings(**{**given, "base_model": resolve_model_name(args.base_model)})
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except CaptureError as e:  # one line, before the engine starts (serve start shows it)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     sys.exit(app.state.exit_code)  # non-zero when the engine died: supervisors restart us
 

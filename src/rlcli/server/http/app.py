@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rlcli.server.errors import UserError
 from rlcli.server.http import aliases as routes_aliases
 from rlcli.server.http import d2l as routes_d2l
+from rlcli.server.http.openai import feedback as routes_feedback
 from rlcli.server.http.openai import routes as routes_openai
 from rlcli.server.http.tinker import checkpoints as routes_checkpoints
 from rlcli.server.http.tinker import rest as routes_rest
@@ -57,6 +58,8 @@ def create_app(settings: Settings) -> FastAPI:
         task = asyncio.create_task(housekeeping(state))
         yield
         task.cancel()
+        if state.capture is not None:  # after uvicorn finished the requests in flight
+            state.capture.close()
         state.engine.stop()
 
     app = FastAPI(title="rlcli torch backend", lifespan=lifespan)
@@ -86,6 +89,7 @@ def create_app(settings: Settings) -> FastAPI:
         routes_openai,
         routes_aliases,
         routes_d2l,
+        routes_feedback,
     ):
         app.include_router(module.router, dependencies=guarded)
 

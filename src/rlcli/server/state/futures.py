@@ -103,6 +103,15 @@ class FutureStore:
         for request_id in list(self._pending):
             self._resolve(request_id, "server", message)
 
+    def on_done(self, request_id: str, callback) -> None:
+        """Call ``callback(outcome)`` once the request is answered, without fetching it (a
+        client's ``retrieve_future`` still gets it); on the event loop."""
+        entry = self._pending.get(request_id)
+        if entry is not None:
+            entry[0].add_done_callback(lambda future: callback(future.result()))
+        elif request_id in self._done:
+            callback(self._done[request_id])
+
     def known(self, request_id: str) -> bool:
         return any(request_id in d for d in (self._pending, self._done, self._fetched))
 

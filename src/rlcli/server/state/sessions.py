@@ -23,6 +23,7 @@ from rlcli.home import rlcli_home
 from rlcli.models.names import resolve_model_name
 from rlcli.server.engine import ops
 from rlcli.server.state.aliases import Aliases
+from rlcli.server.state.capture import Capture
 from rlcli.server.state.engine_client import EngineClient, EngineUnavailable
 from rlcli.server.state.futures import FutureStore
 from rlcli.server.store import checkpoints
@@ -50,6 +51,10 @@ class Settings:
     max_body_mb: float = 256.0  # any request body (after zstd), except restore uploads
     max_upload_gb: float = 16.0  # a restore upload (a LoRA state: adapter + AdamW moments)
     compile: bool | None = None  # compile the decode step; None: unless RLCLI_COMPILE=0
+    capture: str | None = None  # the capture folder (None: capture off)
+    capture_tinker: bool = False  # capture Tinker asample requests too
+    capture_redact: bool = False  # redact each record before it is written
+    capture_max_mb: float = 256.0  # a capture file's size before the next one starts
 
     @property
     def max_body_bytes(self) -> int:
@@ -120,6 +125,12 @@ class ServerState:
         self.finished_models: OrderedDict[str, str] = OrderedDict()
         self.archives: dict[str, tuple[Path, float]] = {}  # download token -> (name, expiry)
         self.checkpoints_root = Path(settings.checkpoints_dir or rlcli_home() / "checkpoints")
+        self.capture: Capture | None = None
+        if settings.capture is not None:  # CaptureError: one line, before anything starts
+            self.capture = Capture(
+                settings.capture, max_mb=settings.capture_max_mb,
+                redact=settings.capture_redact, tinker=settings.capture_tinker,
+            )  # fmt: skip
         self.checkpoints_root.mkdir(parents=True, exist_ok=True)
         self.aliases = Aliases(self.checkpoints_root)  # model names for served checkpoints
         self.tars = Archives(self.checkpoints_root / checkpoints.STAGING / "archives")

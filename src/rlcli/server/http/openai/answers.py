@@ -2,7 +2,9 @@
 ``chat.completion`` / ``text_completion`` from the engine's ``SampleOutput``, and the SSE chunks
 of a stream from the engine's partial results (``_Answer``), one ``TextStream`` per choice.
 ``Stream`` runs its ``on_close`` however the response ends, which is how a client that hangs
-up cancels its rows."""
+up cancels its rows. With tools, each choice's text also goes through a ``ToolText``: content
+streams until a tool call starts, each call is sent whole once it is complete, and a choice
+that made calls finishes with ``tool_calls``."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from rlcli.server.engine.sampling import SampleJob
 from rlcli.server.http.openai.text import ChatTokenizer, TextStream
+from rlcli.server.http.openai.tool_parsers import ToolCall, ToolParser, ToolText
 from rlcli.server.state.futures import Outcome
 from rlcli.server.state.sessions import ServerState
 
@@ -37,8 +40,17 @@ class Plan:
     stops: list[str]
     n: int
     include_usage: bool = False
+    tool_parser: ToolParser | None = None  # reads tool calls back (None: tools not asked for)
+    forced: str = ""  # text the prompt ends with that is the answer's start (tool_choice)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.monotonic)
+    results: list[dict] = field(default_factory=list)  # each choice as captured (capture.py)
+
+    @property
+    def trace_id(self) -> str:
+        """The answer's ``id``, which is also its trace's (``x-rlcli-trace-id``)."""
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
 
 
 def _token_entry(text: ChatTokenizer, token: int, logprob: float, top, kind: str):
@@ -84,6 +96,34 @@ def _usage(plan: Plan, choices: list[TextStream]) -> dict[str, int]:
     }
 
 
+def tool_texts(plan: Plan, count: int) -> list[ToolText | None]:
+    """One ``ToolText`` per choice where the answer is read for tool calls."""
+    if plan.tool_parser is None:
+        return [None] * count
+    return [ToolText(plan.tool_parser, plan.forced) for _ in range(count)]
+
+
+def finish_reason(reason: str | None, calls: list) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _call_deltas(calls: list[ToolCall], first: int) -> list[dict]:
+    return [{"index": first + k, **call.openai()} for k, call in enumerate(calls)]
+
+
+def _result(plan: Plan, index: int, body: dict, finish, tokens: list, logprobs: list) -> dict:
+    """One choice as a capture record keeps it: the answer, its tokens and their logprobs."""
+    out: dict = {"index": index}
+    if plan.kind == "chat":
+        out["message"] = {"role": "assistant", "content": body.get("content") or ""}
+        if body.get("tool_calls"):
+            out["message"]["tool_calls"] = body["tool_calls"]
+    else:
+        out["text"] = body.get("text", "")
+    out.update(finish_reason=finish, token_ids=tokens, logprobs=logprobs)
+    return out
+
+
 def whole(plan: Plan, text: ChatTokenizer, choices: list[TextStream], outputs) -> dict:
     """The non-streaming answer from the engine's ``SampleOutput`` per prompt."""
     out = []
@@ -107,12 +147,24 @@ def whole(plan: Plan, text: ChatTokenizer, choices: list[TextStream], outputs) -
                 stream.finish_reason = reason
             finish = stream.finish_reason or reason
             if plan.kind == "chat":
-                message = {"role": "assistant", "content": stream.text, "refusal": None}
+                content, calls = stream.text, []
+                if plan.tool_parser is not None:
+                    tools = ToolText(plan.tool_parser, plan.forced)
+                    content, calls = tools.push(stream.text, final=True)
+                message = {"role": "assistant", "content": content, "refusal": None}
+                if calls:
+                    message["content"] = content or None
+                    message["tool_calls"] = [call.openai() for call in calls]
+                finish = finish_reason(finish, calls)
                 out.append({"index": index, "message": message, "finish_reason": finish,
                             "logprobs": _logprobs_json(plan, entries, 0)})  # fmt: skip
             else:
                 out.append({"index": index, "text": stream.text, "finish_reason": finish,
                             "logprobs": _logprobs_json(plan, entries, 0)})  # fmt: skip
+            answer = out[-1].get("message", out[-1])
+            plan.results.append(
+                _result(plan, index, answer, finish, tokens.tolist(), logprobs.tolist())
+            )
     kind = "chat.completion" if plan.kind == "chat" else "text_completion"
     return {**_envelope(plan, kind), "choices": out, "usage": _usage(plan, choices)}
 
@@ -132,11 +184,13 @@ class Stream(StreamingResponse):
     """Server-sent events; ``on_close`` runs however the response ends (finished, the client
     gone, an error), so an abandoned request never keeps its rows in the batch."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], None], headers: dict
+    ) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
         )
         self.on_close = on_close
 
@@ -156,6 +210,11 @@ class Answer:
         self.open = set(request_ids)  # requests not yet answered by the engine
         self.finished: set[int] = set()  # choices whose finish_reason was sent
         self.offsets = [0] * len(choices)
+        self.tools = tool_texts(plan, len(choices))
+        self.token_ids: list[list[int]] = [[] for _ in choices]
+        self.logprobs: list[list[float]] = [[] for _ in choices]
+        self.reasons: list[str | None] = [None] * len(choices)
+        self.status = "cancelled"  # until the last event is sent: "ok", or "error"
 
     def close(self, state: ServerState) -> None:
         for request_id in self.open:
@@ -175,13 +234,39 @@ class Answer:
         logprobs = _logprobs_json(self.plan, entries, self.offsets[index]) if entries else None
         self.offsets[index] += len(delta)
         if self.plan.kind == "chat":
-            body = {"content": delta} if delta or finish is None else {}
+            calls, tools = [], self.tools[index]
+            if tools is not None:
+                first = len(tools.emitted)
+                delta, calls = tools.push(delta, final=finish is not None)
+                finish = finish_reason(finish, tools.emitted)
+            body = {"content": delta} if delta or (finish is None and not calls) else {}
+            if calls:
+                body["tool_calls"] = _call_deltas(calls, first)
+            self.reasons[index] = finish
             return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish}
+        self.reasons[index] = finish
         return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def results(self) -> list[dict]:
+        """Each choice as far as it got, for the capture record."""
+        out = []
+        for index, stream in enumerate(self.choices):
+            tools = self.tools[index]
+            body = {"text": stream.text, "content": stream.text}
+            if tools is not None:
+                body["content"] = tools.content
+                body["tool_calls"] = [call.openai() for call in tools.emitted]
+            reason = self.reasons[index]
+            out.append(
+                _result(self.plan, index, body, reason, self.token_ids[index], self.logprobs[index])
+            )
+        return out
 
     def _push(self, index: int, token: int, logprob: float, top, reason) -> tuple[str, list]:
         stream = self.choices[index]
         delta, is_text = stream.push(token, reason)
+        self.token_ids[index].append(int(token))
+        self.logprobs[index].append(float(logprob))
         entries = []
         if is_text and self.plan.logprobs:
             k = self.plan.top_logprobs
@@ -255,10 +340,12 @@ class Answer:
                     log.info("stream %s failed: %s", request_id, item.value)
                     status = 400 if item.status == "user" else 500
                     yield self._error(f"sampling failed: {item.value}", status)
+                    self.status = "error"
                     return  # on_close cancels the rest
                 chunk = self._final(prompt, item.value)
             if chunk:
                 yield chunk
         if self.plan.include_usage:
             yield self._chunk([], _usage(self.plan, self.choices))
+        self.status = "ok"
         yield "data: [DONE]\n\n"

@@ -22,8 +22,10 @@ import numpy as np
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import JSONResponse
 
+from rlcli import trace_format
 from rlcli.server.engine import ops
 from rlcli.server.engine.sampling import SampleJob
+from rlcli.server.http.openai import record, tool_parsers
 from rlcli.server.http.openai.answers import Answer, Plan, Stream, whole
 from rlcli.server.http.openai.schemas import ChatCompletion, Completion, OpenAIError
 from rlcli.server.http.openai.text import ChatTokenizer, TextStream
@@ -222,15 +224,40 @@ def _job(
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletion, state: State):
     info, ref, text = await _accept(body, state)
-    prompt = text.chat_prompt(body.conversation())
+    parser, forced = _tool_setup(body, text)
+    prompt = text.chat_prompt(body.conversation(), body.tool_specs())
+    if forced:
+        prompt += text.encode(forced)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     cap = state.settings.max_sample_tokens
     job = _job(body, prompt, "messages", info, cap, body.limit, top)
     plan = Plan(
         "chat", body.model, [job], len(prompt), body.logprobs, top, body.stops, body.n,
-        body.include_usage,
+        body.include_usage, tool_parser=parser, forced=forced,
     )  # fmt: skip
-    return await _answer(state, ref, text, plan)
+    return await _answer(state, ref, text, plan, record.recorder(state, body, ref))
+
+
+def _tool_setup(body: ChatCompletion, text: ChatTokenizer):
+    """The parser that reads this request's answer for tool calls (None: not read), and the
+    text that starts the answer where ``tool_choice`` demands a call. A field that needs tools
+    on a template without them is a 400 naming it."""
+    field = body.uses_tools()
+    if field and text.tool_parser is None:
+        families = ", ".join(tool_parsers.PARSERS)
+        raise OpenAIError(
+            f"{field}: this model's chat template has no tool support (it renders no tools, or "
+            f"writes calls in a format none of this server's parsers reads: {families})",
+            field.split(".")[0] if field == "tools" else field,
+        )
+    if not body.calls_wanted:
+        return None, ""
+    parser = text.tool_parser
+    if body.tool_choice == "required":
+        return parser, parser.forced(None)
+    if body.chosen_function:
+        return parser, parser.forced(body.chosen_function)
+    return parser, ""
 
 
 @router.post("/completions")
@@ -250,7 +277,7 @@ async def completions(body: Completion, state: State):
         "text", body.model, jobs, counted, body.logprobs is not None, body.logprobs or 0,
         body.stops, body.n, body.include_usage,
     )  # fmt: skip
-    return await _answer(state, ref, text, plan)
+    return await _answer(state, ref, text, plan, record.recorder(state, body, ref))
 
 
 async def _accept(body: ChatCompletion | Completion, state: ServerState):
@@ -260,7 +287,7 @@ async def _accept(body: ChatCompletion | Completion, state: ServerState):
     return info, _resolve_model(state, body.model), await tokenizer(state)
 
 
-async def _answer(state: ServerState, ref: SamplerRef, text: ChatTokenizer, plan: Plan):
+async def _answer(state: ServerState, ref: SamplerRef, text: ChatTokenizer, plan: Plan, recorder):
     events: asyncio.Queue = asyncio.Queue()
     request_ids = []
     for job in plan.jobs:
@@ -271,16 +298,26 @@ async def _answer(state: ServerState, ref: SamplerRef, text: ChatTokenizer, plan
         request_ids.append(request_id)
     ends = text.eos_ids | frozenset(plan.jobs[0].stop_tokens)  # tokens that end, not text
     choices = [TextStream(text.decode, plan.stops, ends) for _ in range(len(plan.jobs) * plan.n)]
-    served = {CHECKPOINT_HEADER: ref.model_path or ref.base_model}
+    headers = {
+        trace_format.TRACE_ID_HEADER: plan.trace_id,
+        CHECKPOINT_HEADER: ref.model_path or ref.base_model,
+    }
     if plan.jobs[0].stream:
         answer = Answer(plan, text, choices, request_ids)
-        stream = Stream(answer.events(events), on_close=lambda: answer.close(state))
-        stream.headers.update(served)
-        return stream
+
+        def closed() -> None:
+            answer.close(state)
+            if recorder is not None:
+                recorder(plan, answer.results(), answer.status)
+
+        return Stream(answer.events(events), on_close=closed, headers=headers)
     outputs = []
     for request_id in request_ids:
         outputs.append(_result(await _wait(state, request_id)))
-    return JSONResponse(whole(plan, text, choices, outputs), headers=served)
+    response = whole(plan, text, choices, outputs)
+    if recorder is not None:
+        recorder(plan, plan.results, "ok")
+    return JSONResponse(response, headers=headers)
 
 
 async def _wait(state: ServerState, request_id: str) -> Outcome:

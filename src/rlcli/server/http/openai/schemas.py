@@ -1,10 +1,12 @@
 """Request bodies of the OpenAI-compatible endpoint, typed at the boundary like
 ``tinker/schemas.py``.
 
-Fields follow the OpenAI API (chat completions and legacy completions). What this server does
-not do is named, not ignored: ``tools``, a ``response_format`` other than text, images and
-audio in messages, ``logit_bias``, penalties, ``echo``, ``suffix`` and ``best_of`` are each a
-400 naming the field (``refusals``). Fields OpenAI clients send that change nothing here
+Fields follow the OpenAI API (chat completions and legacy completions). ``tools``,
+``tool_choice``, assistant ``tool_calls`` and ``role: tool`` messages are typed here and rendered
+by the model's own chat template (``text.py``). What this server does not do is named, not
+ignored: the deprecated ``functions``, a ``response_format`` other than text, images and audio
+in messages, ``logit_bias``, penalties, ``echo``, ``suffix`` and ``best_of`` are each a 400
+naming the field (``refusals``). Fields OpenAI clients send that change nothing here
 (``user``, ``metadata``, ``store``, ...) are accepted and ignored. ``stop_token_ids`` and
 ``ignore_eos`` are vLLM's extensions (``rlcli chat`` sends its renderer's stop tokens with the
 first; the second draws ``max_tokens`` past EOS, as load generators ask).
@@ -12,6 +14,7 @@ first; the second draws ``max_tokens`` past EOS, as load generators ask).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,7 +24,7 @@ from rlcli.server.errors import UserError
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 Count = Annotated[int, Field(ge=1, le=128)]  # n: completions per prompt (Tinker's cap too)
 Tokens = Annotated[int, Field(ge=0, le=2**31 - 1)]
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class OpenAIError(UserError):
@@ -50,11 +53,48 @@ class ContentPart(Body):
     text: str | None = None
 
 
+class FunctionCall(Body):
+    name: str
+    arguments: str  # a JSON object as a string, as OpenAI sends it
+
+
+class ToolCallIn(Body):
+    """An assistant message's earlier tool call, in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Body):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class Function(Body):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(Body):
+    name: str
+
+
+class ToolChoice(Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class Sampling(Body):
@@ -104,9 +144,10 @@ class ChatCompletion(Sampling):
     max_completion_tokens: Tokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; the model decides how many it makes
     # refused
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -115,9 +156,21 @@ class ChatCompletion(Sampling):
 
     def refusals(self) -> None:
         self.common_refusals()
-        for name in ("tools", "tool_choice", "functions", "function_call", "audio"):
+        for name in ("functions", "function_call"):
             if getattr(self, name) not in (None, [], "none"):
-                raise OpenAIError(f"{name}: tool calling and audio are not supported", name)
+                raise OpenAIError(f"{name}: deprecated by OpenAI; send tools instead", name)
+        if self.audio is not None:
+            raise OpenAIError("audio: not supported by this server", "audio")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise OpenAIError("tool_choice: needs tools", "tool_choice")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise OpenAIError("tools: two tools have the same name", "tools")
+        chosen = self.chosen_function
+        if chosen is not None and chosen not in names:
+            raise OpenAIError(
+                f"tool_choice.function.name: {chosen!r} is not one of the tools", "tool_choice"
+            )
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise OpenAIError(
@@ -143,16 +196,47 @@ class ChatCompletion(Sampling):
             else (self.max_tokens)
         )
 
-    def conversation(self) -> list[dict[str, str]]:
+    @property
+    def chosen_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, ToolChoice) else None
+
+    @property
+    def calls_wanted(self) -> bool:
+        """Whether the answer is read for tool calls (tools given and not ``tool_choice: none``)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_specs(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (``tool_choice`` none: no tools; a named
+        function: that one only)."""
+        if not self.calls_wanted:
+            return None
+        chosen = self.chosen_function
+        return [
+            t.model_dump(exclude_none=True)
+            for t in self.tools or []
+            if chosen is None or t.function.name == chosen
+        ]
+
+    def uses_tools(self) -> str | None:
+        """The first field that needs a template with tool support (None: none does)."""
+        if self.calls_wanted:
+            return "tools"
+        for i, message in enumerate(self.messages):
+            if message.role == "tool":
+                return f"messages[{i}].role"
+            if message.tool_calls:
+                return f"messages[{i}].tool_calls"
+        return None
+
+    def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them; 400 naming a message that is not
-        plain text in a known role."""
+        text in a known role, or a tool call whose arguments are not a JSON object."""
         out = []
         for i, message in enumerate(self.messages):
             where = f"messages[{i}]"
             if message.role not in ROLES:
                 raise OpenAIError(
-                    f"{where}.role: {message.role!r} is not one of {', '.join(ROLES)} "
-                    "(tool messages need tools, which are not supported)",
+                    f"{where}.role: {message.role!r} is not one of {', '.join(ROLES)}",
                     f"{where}.role",
                 )
             extra = sorted(set(message.model_extra or {}) - {"refusal"})
@@ -172,11 +256,43 @@ class ChatCompletion(Sampling):
                         )
                     texts.append(part.text)
                 content = "".join(texts)
-            if content is None:
+            if content is None and not message.tool_calls:
                 raise OpenAIError(f"{where}.content: missing", f"{where}.content")
             role = "system" if message.role == "developer" else message.role
-            out.append({"role": role, "content": content})
+            turn: dict[str, Any] = {"role": role, "content": content or ""}
+            if message.tool_calls:
+                if role != "assistant":
+                    raise OpenAIError(
+                        f"{where}.tool_calls: only assistant messages make tool calls",
+                        f"{where}.tool_calls",
+                    )
+                turn["tool_calls"] = [
+                    _template_call(call, f"{where}.tool_calls[{j}]")
+                    for j, call in enumerate(message.tool_calls)
+                ]
+            if role == "tool":
+                turn["tool_call_id"] = message.tool_call_id
+                if message.name:
+                    turn["name"] = message.name
+            out.append(turn)
         return out
+
+
+def _template_call(call: ToolCallIn, where: str) -> dict[str, Any]:
+    """A history tool call as chat templates read it: ``arguments`` a mapping (Hugging Face's
+    convention; templates write it with ``tojson``)."""
+    try:
+        arguments = json.loads(call.function.arguments or "{}")
+    except json.JSONDecodeError as e:
+        arguments = None
+        problem = f"not JSON ({e.msg} at column {e.colno})"
+    else:
+        problem = None if isinstance(arguments, dict) else "not a JSON object"
+    if problem:
+        param = f"{where}.function.arguments"
+        raise OpenAIError(f"{param}: {problem}", param)
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 class Completion(Sampling):

@@ -7,6 +7,10 @@ loaded from the same base model the engine loads. ``rlcli sample``/``chat`` rend
 cookbook renderer ``train`` uses (``renderer_choice.resolve_renderer``); where that renderer's
 tokens differ from the template's on a probe conversation (SmolLM2's template adds a default system
 message, the renderer does not), ``/v1/models`` says so (``chat_template.agrees_with_rlcli``).
+
+Tools are rendered by the template too (``apply_chat_template(tools=...)``). A template supports
+them when a probe rendered with a tool differs from the same probe without one; its tool-call
+parser is chosen from what the template writes (``tool_parsers.for_template``).
 """
 
 from __future__ import annotations
@@ -17,10 +21,19 @@ from typing import Any
 from rlcli.compat.renderer_choice import resolve_renderer
 from rlcli.models.tokenizer import load_tokenizer
 from rlcli.server.errors import UserError
+from rlcli.server.http.openai import tool_parsers
 
 log = logging.getLogger("rlcli.server")
 
 PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe_tool_x",
+        "description": "A probe.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 
 
 class ChatTokenizer:
@@ -31,16 +44,41 @@ class ChatTokenizer:
         self.eos_ids = frozenset(eos_ids)
         self.has_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.rlcli_renderer, self.agrees = _compare_with_renderer(base_model, self)
+        self.tool_parser = self._tool_parser()
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _tool_parser(self) -> tool_parsers.ToolParser | None:
+        """The parser of this template's tool calls (None: the template renders no tools)."""
+        if not self.has_template:
+            return None
+        try:
+            with_tool = self._render(PROBE, [PROBE_TOOL])
+            plain = self._render(PROBE, None)
+        except Exception as e:
+            log.info("chat template: tools not rendered (%s)", e)
+            return None
+        if with_tool == plain or "probe_tool_x" not in with_tool:
+            return None
+        template = self.tokenizer.chat_template
+        source = template if isinstance(template, str) else str(template)
+        return tool_parsers.for_template(source)
+
+    def _render(self, messages, tools) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None = None
+    ) -> list[int]:
         if not self.has_template:
             raise UserError(
                 "messages: this model's tokenizer has no chat template; use /v1/completions"
             )
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+                messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                return_dict=False,
+            )  # fmt: skip
         except Exception as e:  # the template's own raise_exception (roles out of order, ...)
             raise UserError(f"messages: the chat template refused them: {e}") from None
         return [int(t) for t in ids]
@@ -57,6 +95,7 @@ class ChatTokenizer:
             "source": "the tokenizer's chat template" if self.has_template else None,
             "rlcli_renderer": self.rlcli_renderer,
             "agrees_with_rlcli": self.agrees,
+            "tool_parser": self.tool_parser.name if self.tool_parser else None,
         }
 
 

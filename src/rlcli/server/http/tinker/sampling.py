@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -9,6 +10,7 @@ from fastapi import APIRouter, HTTPException
 
 from rlcli.server.engine import ops
 from rlcli.server.engine.sampling import SampleJob
+from rlcli.server.http.openai import record
 from rlcli.server.http.tinker import generations
 from rlcli.server.http.tinker.checkpoints import resolve_checkpoint
 from rlcli.server.http.tinker.schemas import CreateSamplingSession, Sample, TensorData
@@ -57,7 +59,11 @@ async def asample(body: Sample, state: State):
     if body.sampling_params.stop == [] and not generations.is_legacy(version):
         job.stop_at_eos = False  # tinker>=0.38: `stop=[]` disables every stop, EOS too
     job.sampler = ref.key
+    started = time.monotonic()
     future = state.submit(ops.Sample(job))
+    if state.capture is not None and state.capture.tinker:
+        done = record.tinker_sample(state, future["request_id"], ref, job, started)
+        state.futures.on_done(future["request_id"], done)
     # One id per sample, fixed now (tinker>=0.38 asserts them; older clients ignore them).
     future["sample_sequence_ids"] = [f"{future['request_id']}:{i}" for i in range(body.num_samples)]
     return future
