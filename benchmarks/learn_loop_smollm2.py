@@ -7,10 +7,11 @@ else 0 with the sum as a correction), and ``learn`` runs one round on those judg
 the rounds, one round is trained on shuffled verdicts (corrections that are wrong sums): the
 gate must refuse it. The receipt has the held-out score per round, the seconds per phase, the
 served alias's score on every held-out question before the first round and after the last,
-and the capture-to-promotion latency. Until ``serve start --capture`` lands, the script writes
-the exchanges it made through ``/v1`` as judged rows itself (the imported-row format).
+and the capture-to-promotion latency. The script writes the exchanges it made through ``/v1``
+as judged rows itself (the imported-row format; the same loop through a capture folder and
+``POST /v1/feedback`` is ``tests/test_learn.py``).
 
-    PYTHONPATH=src python benchmarks/learn_loop_smollm2.py --rounds 3 --questions 32
+    PYTHONPATH=src python benchmarks/learn_loop_smollm2.py --rounds 3 --questions 24 --epochs 3
 """
 
 from __future__ import annotations

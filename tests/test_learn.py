@@ -49,12 +49,52 @@ def alias_history(server, name: str) -> dict:
     return json.loads(out.stdout)
 
 
-def test_a_round_is_promoted_and_a_shuffled_round_refused(tmp_path, server, tiny_model):
+@pytest.fixture(scope="module")
+def capturing(tmp_path_factory, tiny_model):
+    """A tiny-model server of this module's own, capturing every /v1 exchange."""
+    from conftest import start_server
+    from rlcli.launch import process
+
+    home = tmp_path_factory.mktemp("capture-home")
+    record = start_server(home, tiny_model, capture=str(home / "traces"))
+    yield record, home / "traces"
+    process.stop(home)
+
+
+def asked_and_judged(record, alias: str, doors: range, folder: Path) -> set[str]:
+    """Each door's question asked of the alias through /v1 (captured), then a verdict through
+    POST /v1/feedback: score 0 and the correction "zebra"; the trace ids, once on disk."""
+    import httpx
+    import openai
+
+    from rlcli import trace_format
+
+    ai = openai.OpenAI(base_url=f"{record.base_url}/v1", api_key="tml-dummy", max_retries=0)
+    ids = set()
+    for i in doors:
+        raw = ai.chat.completions.with_raw_response.create(
+            model=alias, max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": f"What is the password for door {i}?"}],
+        )  # fmt: skip
+        trace_id = raw.headers["x-rlcli-trace-id"]
+        verdict = {"run_id": trace_id, "key": "correct", "score": 0, "correction": "zebra"}
+        assert httpx.post(f"{record.base_url}/v1/feedback", json=verdict).status_code == 200
+        ids.add(trace_id)
+    deadline = time.monotonic() + 60  # the capture's writer thread appends soon after
+    while not ids <= {r["id"] for r in trace_format.read(folder, trace_format.TRACES)}:
+        assert time.monotonic() < deadline, "the captured traces were not written"
+        time.sleep(0.2)
+    return ids
+
+
+def test_a_round_is_promoted_and_a_shuffled_round_refused(tmp_path, capturing, tiny_model):
+    """The loop through the server: each question asked of the alias at /v1 and captured, a
+    verdict posted to /v1/feedback, then ``learn --traces CAPTURE_FOLDER``."""
+    server, first = capturing
     home = tmp_path / "home"
-    assert (
-        cli("alias", "set", "doors", str(tiny_model), "--base-url", server.base_url).returncode == 0
-    )
-    first = traces(tmp_path / "week1.jsonl", range(24), lambda i: "zebra", "w1")
+    url = ["--base-url", server.base_url]
+    assert cli("alias", "set", "doors", str(tiny_model), *url).returncode == 0
+    asked_and_judged(server, "doors", range(24), first)
     plan = learn(home, server, "--alias", "doors", "--traces", first, "--dry-run", "--json")
     assert plan.returncode == 0, plan.stderr
     planned = json.loads(plan.stdout)
