@@ -68,6 +68,14 @@ def judged(questions, replies, rng: random.Random, shuffled: bool) -> list[dict]
     return rows
 
 
+def _answers(folder: Path) -> dict:
+    """What each side answered on the held-out questions (the scores say only right/wrong)."""
+    evaluated = json.loads((folder / "evaluated.json").read_text()).get("held_out") or {}
+    return {
+        side: evaluated[side]["answers"] for side in ("current", "candidate") if side in evaluated
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -121,6 +129,7 @@ def main() -> None:
                 "regression": receipt["scores"].get("regression"), "seconds": receipt["seconds"],
                 "capture_to_decision_s": round(time.time() - asked, 1),
                 "traces": receipt["traces"],
+                "held_out_answers": _answers(learn_dir("qa") / f"{number:03d}"),
             })  # fmt: skip
             _receipt.write("learn_loop_smollm2", result)
         pool = []
