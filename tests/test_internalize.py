@@ -1,7 +1,9 @@
 """``rlcli internalize`` on the tiny model through the session's real server: the dry-run plan,
-refusals of bad input (in process, no server), one end-to-end CLI run whose adapter ``/v1``
-serves, the Python API with progress events, and resume of a finished run. Whether it learns
-is measured on SmolLM2 by benchmarks/internalize_smollm2.py, not here (too slow for CI)."""
+refusals of bad input (in process, no server), one end-to-end CLI run (with on-policy steps)
+whose adapter ``/v1`` serves, the Python API with progress events, and resume of a finished
+run (``runs cancel`` and resume mid-run are the train flow's, tested in test_run_control).
+Whether it learns is measured on SmolLM2 by benchmarks/internalize_smollm2.py, not here (too
+slow for CI)."""
 
 from __future__ import annotations
 
@@ -73,6 +75,11 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_model, document, tmp_path
     small = _error(cli("internalize", document, *common, "--context-window", "64"))
     assert "--context-window 64: too small" in small
     assert "missing DOCUMENTS" in _error(cli("internalize", "--model", tiny_model))
+    huge = tmp_path / "huge.md"
+    huge.write_text("Orla Finch lives in Lisbon. " * 80_000)  # 2.2 MB
+    assert "more than the 2,000,000 a document may have" in _error(
+        cli("internalize", huge, *common)
+    )
     assert not run_dir.exists()
 
 
@@ -89,6 +96,7 @@ def test_internalize_end_to_end_cli(server, tiny_model, document, tmp_path):
     result = run_rlcli(
         "internalize", document, "--model", tiny_model, "--base-url", server.base_url,
         "--log-path", run_dir, "--questions", questions, "--json", "--test-size", "0", *FAST,
+        "--on-policy-steps", "1",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
@@ -105,6 +113,10 @@ def test_internalize_end_to_end_cli(server, tiny_model, document, tmp_path):
     kinds = {t["targets"] for t in targets}
     assert kinds == {"reference+teacher", "teacher"}  # "Who lives in Kyoto?" has no answer
     assert all(len(row) == 16 for t in targets for row in t["target_ids"])
+    # --on-policy-steps: train opsd's loop in on_policy/, from the distilled adapter; its last
+    # checkpoint is the run's adapter
+    on_policy = [json.loads(line) for line in (run_dir / "on_policy/checkpoints.jsonl").open()]
+    assert on_policy[-1]["sampler_path"] == summary["sampler_path"]
 
     from openai import OpenAI
 

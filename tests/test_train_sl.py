@@ -502,12 +502,14 @@ def test_lora_targets_put_lora_on_the_chosen_layers_only(tmp_path, server, tiny_
     assert "--lora-targets 'attn,embed': a comma list of attn, mlp, unembed ('embed'" in bad.stderr
 
 
-def test_grad_accum_makes_the_update_of_one_big_batch(
+def test_grad_accum_and_packing_make_the_update_of_one_big_batch(
     tmp_path, server, service, tiny_model, chat_file, monkeypatch
 ):
-    """--batch-size 4 --grad-accum 2 (two forward_backward requests a step) and --batch-size 8
-    (one): same batches, same seed, the same weights after two steps. The hook itself, on a
-    real client: the step's call becomes 2 requests, results combined in order."""
+    """--batch-size 4 --grad-accum 2 --pack (two forward_backward requests a step, each with
+    its conversations packed into one row) and --batch-size 8 (one request, a row each): same
+    batches, same seed, the same weights after two steps (two runs: each train run costs ~1
+    minute here). The accumulation hook itself, on a real client: the step's call becomes 2
+    requests, results combined in order; packing alone: test_packing.py."""
     import asyncio
 
     import tinker
@@ -553,7 +555,7 @@ def test_grad_accum_makes_the_update_of_one_big_batch(
         p / "checkpoints" for p in Path(server.log_path).parents if (p / "checkpoints").is_dir()
     )
     weights = {}
-    for name, extra in (("accum", ("--batch-size", "4", "--grad-accum", "2")),
+    for name, extra in (("packed", ("--batch-size", "4", "--grad-accum", "2", "--pack")),
                         ("whole", ("--batch-size", "8"))):  # fmt: skip
         result = quick(
             "train", "sl", "--dataset", str(chat_file), "--model", str(tiny_model),
@@ -565,12 +567,22 @@ def test_grad_accum_makes_the_update_of_one_big_batch(
         weights[name] = load_file(root / run_id / "weights" / "final" / "adapter_model.safetensors")
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
         assert [r["num_sequences"] for r in rows] == [8, 8]
-    assert weights["accum"].keys() == weights["whole"].keys()
+    assert weights["packed"].keys() == weights["whole"].keys()
     moved = 0.0
     for key, value in weights["whole"].items():
-        assert torch.allclose(weights["accum"][key], value, atol=1e-5, rtol=1e-4), key
+        assert torch.allclose(weights["packed"][key], value, atol=1e-5, rtol=1e-4), key
         moved = max(moved, float(value.abs().max())) if "lora_B" in key else moved
     assert moved > 1e-3  # the steps did change the weights
+
+
+def test_pack_is_refused_by_a_server_that_does_not_mask_examples():
+    from rlcli.errors import RlcliError
+    from rlcli.recipes.preflight import Server
+
+    tinker_like = Server.__new__(Server)  # the capabilities a Tinker or SkyRL server answers
+    tinker_like.base_url, tinker_like.caps = "http://tinker.example", {"supported_models": []}
+    with pytest.raises(RlcliError, match=r"--pack: the server at http://tinker.example does not"):
+        tinker_like.check_packing("rlcli_segment_ids")
 
 
 def test_lora_alpha_is_refused_by_a_server_that_does_not_take_one():

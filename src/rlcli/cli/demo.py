@@ -27,7 +27,8 @@ def demo(config) -> None:
             "style ('Arr!' openings)": f"{summary['style_before']:.0%} -> "
             f"{summary['style_after']:.0%}",
             "SFT loss": _arrow(result.sft_losses, "{:.2f}"),
-            "RL reward (short answers)": _arrow(result.rl_rewards, "{:.2f}"),
+            "RL reward (short answers)": summary["rl_verdict"]["says"],
+            "RL phase": result.rl_plan,
             "reward of the answers above": f"{summary['reward_before']:.2f} -> "
             f"{summary['reward_after']:.2f}",
             "curves": result.plot,

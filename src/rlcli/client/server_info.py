@@ -62,6 +62,15 @@ class Server:
                 "(the Tinker API has none; rlcli's torch server does); leave it out"
             )
 
+    def check_packing(self, segment_key: str) -> None:
+        """``train sl --pack`` needs a server that masks attention per packed example (rlcli's
+        torch server says so in its capabilities); elsewhere examples would see each other."""
+        if self.caps.get("packing") != segment_key:
+            raise RlcliError(
+                f"--pack: the server at {self.base_url} does not take packed examples (rlcli's "
+                "torch server does); leave it out"
+            )
+
     def check_max_tokens(self, max_tokens: int) -> None:
         top = self.caps.get("max_sample_tokens")
         if isinstance(top, int) and max_tokens > top:

@@ -88,6 +88,41 @@ def install_grad_accum(requests: int) -> None:
     tinker.TrainingClient.forward_backward_async = forward_backward_async
 
 
+def install_packing(max_tokens: int | None) -> None:
+    """``train sl --pack`` in its child: every ``forward_backward`` request goes out with its
+    datums packed into sequences of up to ``max_tokens`` (``compat/packing.py``), and its
+    result comes back unpacked, so the loop (and ``--grad-accum``'s split, which sends
+    through this) sees the datums it sent."""
+    if not max_tokens:
+        return
+    import tinker
+
+    from rlcli.compat import packing
+
+    plain = tinker.TrainingClient.forward_backward
+
+    class Unpacked:  # the part of an APIFuture the loop awaits
+        def __init__(self, future, groups, lengths) -> None:
+            self.future, self.groups, self.lengths = future, groups, lengths
+
+        async def result_async(self, timeout: float | None = None):
+            return packing.unpack(
+                await self.future.result_async(timeout), self.groups, self.lengths
+            )
+
+        def result(self, timeout: float | None = None):
+            return packing.unpack(self.future.result(timeout), self.groups, self.lengths)
+
+    def forward_backward(self, data, loss_fn, loss_fn_config=None):
+        packed = packing.pack(data, max_tokens)
+        if packed is None:
+            return plain(self, data, loss_fn, loss_fn_config)
+        lengths = [d.model_input.length for d in data]
+        return Unpacked(plain(self, packed[0], loss_fn, loss_fn_config), packed[1], lengths)
+
+    tinker.TrainingClient.forward_backward = forward_backward
+
+
 def install_run_hooks(report, seed: int = 0) -> None:
     """Patch the pinned cookbook, in the recipe's child process only, so that ``train sl``
     resumes exactly, a run's LoRA initialisation follows its ``seed`` (the recipes ask for a

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rlcli.demo.budget import RLBudget, verdict
+from rlcli.demo.record import DemoFolder
 from rlcli.errors import RlcliError
 from rlcli.flags import option
 from rlcli.models import gguf, names, tiny
@@ -81,9 +83,11 @@ class DemoResult:
     before_finished: list[bool] = field(default_factory=list)
     after_finished: list[bool] = field(default_factory=list)
     prompts: list[str] = field(default_factory=lambda: list(PROMPTS))
+    rl_plan: str = ""  # what the budget decided for the RL phase, and why
 
     def summary(self) -> dict:
         out = asdict(self)
+        out["rl_verdict"] = verdict(self.rl_rewards)
         out["style_before"] = style_rate(self.before)
         out["style_after"] = style_rate(self.after)
         out["reward_before"] = mean(list(map(reward, self.before, self.before_finished)))
@@ -130,7 +134,7 @@ def reward(answer: str, finished: bool) -> float:
 def steps_for(config: DemoConfig) -> tuple[int, int]:
     """SFT and RL steps: set ones win, else scaled from ``minutes`` (10 minutes: 16 + 24).
     On 2 cores an SFT step of SmolLM2 takes 4-9 s and an RL step 11-35 s (longer answers,
-    other load), so the RL phase also stops early when the budget runs out."""
+    other load): after SFT the RL phase is sized to the machine (``budget.RLBudget``)."""
     scale = config.minutes / 10.0
     sft = config.sft_steps if config.sft_steps is not None else max(1, round(16 * scale))
     rl = config.rl_steps if config.rl_steps is not None else max(1, round(24 * scale))
@@ -268,14 +272,17 @@ def sample(sampler, tokenizer, stop: list[int], questions, n: int, temperature: 
     return out
 
 
-def run_sft(trainer, tokenizer, config: DemoConfig, steps: int, report) -> list[float]:
-    """``steps`` cross-entropy steps on batches of the style data; the per-token loss of each."""
+def run_sft(
+    trainer, tokenizer, config: DemoConfig, steps: int, report, record=None
+) -> tuple[list[float], list[float]]:
+    """``steps`` cross-entropy steps on batches of the style data: the per-token loss and the
+    seconds of each (``record``: called with each step's metrics row)."""
     from tinker import types
 
     conversations = style_conversations()
     rng = random.Random(config.seed)
     order: list[int] = []
-    losses = []
+    losses, seconds = [], []
     for step in range(steps):
         t0 = time.monotonic()
         while len(order) < config.sft_batch:
@@ -286,26 +293,42 @@ def run_sft(trainer, tokenizer, config: DemoConfig, steps: int, report) -> list[
         result = trainer.forward_backward(datums, "cross_entropy").result()
         trainer.optim_step(types.AdamParams(learning_rate=config.sft_lr)).result()
         losses.append(result.metrics["loss:sum"] / n_tokens)
-        report(f"sft {step + 1}/{steps}  loss {losses[-1]:.3f}  {time.monotonic() - t0:.1f}s")
-    return losses
+        seconds.append(time.monotonic() - t0)
+        if record is not None:
+            record({"step": step, "phase": "sft", "sft_loss": losses[-1], "seconds": seconds[-1]})
+        report(f"sft {step + 1}/{steps}  loss {losses[-1]:.3f}  {seconds[-1]:.1f}s")
+    return losses, seconds
 
 
 def run_rl(
-    trainer, tokenizer, stop, config: DemoConfig, steps: int, report, deadline: float | None
+    trainer,
+    tokenizer,
+    stop,
+    config: DemoConfig,
+    steps: int,
+    report,
+    budget: RLBudget | None,
+    record=None,
+    first_step: int = 0,
 ) -> list[float]:
-    """``steps`` on-policy importance-sampling steps, fewer when the next one would end after
-    ``deadline`` (monotonic seconds); the mean reward of each step's answers."""
+    """``steps`` on-policy importance-sampling steps, fewer when ``budget`` (None: no bound)
+    says the next one does not fit; the mean reward of each step's answers (``record``: called
+    with each step's metrics row, numbered from ``first_step``)."""
     from tinker import types
 
     questions = [c[0]["content"] for c in style_conversations()]
     rng = random.Random(config.seed + 1)
     rewards = []
-    last = 0.0
     for step in range(steps):
         t0 = time.monotonic()
-        if deadline is not None and step >= 2 and t0 + last > deadline:
-            report(f"rl: stopping after {step} steps to stay within --minutes")
-            break
+        if budget is not None:
+            if not budget.keep_going(step):
+                if step < steps:
+                    report(f"rl: stopping after {step} of {steps} steps: out of time")
+                break
+            late = budget.overrun()
+            if late:
+                report(late)
         sampler = trainer.save_weights_and_get_sampling_client(f"demo-rl-{step}").result()
         batch = rng.sample(questions, config.rl_prompts)
         answers = sample(
@@ -325,7 +348,12 @@ def run_rl(
             trainer.forward_backward(datums, "importance_sampling").result()
             trainer.optim_step(types.AdamParams(learning_rate=config.rl_lr)).result()
         rewards.append(mean(scores))
-        last = time.monotonic() - t0
+        took = time.monotonic() - t0
+        if budget is not None:
+            budget.took(took)
+        if record is not None:
+            row = {"step": first_step + step, "phase": "rl", "rl_reward": rewards[-1]}
+            record({**row, "seconds": took})
         words = mean([len(a[3].split()) for a in answers])
         report(
             f"rl {step + 1}/{steps}  reward {rewards[-1]:.2f}  words {words:.0f}  "
@@ -337,9 +365,12 @@ def run_rl(
 # ---- the whole demo -------------------------------------------------------------------------
 
 
-def run_demo(config: DemoConfig, home: Path, report: Callable[[str], None]) -> DemoResult:
-    """Start a server, sample, SFT, RL, sample again, plot; the server is stopped on the way
-    out whatever happens (errors, Ctrl-C)."""
+def run_demo(
+    config: DemoConfig, home: Path, report: Callable[[str], None], clock=time.monotonic
+) -> DemoResult:
+    """Start a server, sample, SFT, RL (sized to this machine, ``budget.RLBudget``), sample
+    again, plot; the server is stopped on the way out whatever happens (errors, Ctrl-C), and
+    the run folder (``record.DemoFolder``) says how it ended, or is gone if no step ran."""
     import logging
 
     import tinker
@@ -348,10 +379,11 @@ def run_demo(config: DemoConfig, home: Path, report: Callable[[str], None]) -> D
     from rlcli.launch import torch_server as torch_backend  # lazy: imports httpx
 
     logging.getLogger("tinker").setLevel(logging.ERROR)  # its retry notes are not progress
-    started = time.monotonic()
+    started = clock()
     sft_steps, rl_steps = steps_for(config)
     model = demo_model(config.base_model, home, report)
     run_dir = _run_dir(config, home)
+    runs = DemoFolder(run_dir, model, sft_steps + rl_steps)
     demo_home = home / "demo"
     demo_home.mkdir(parents=True, exist_ok=True)
     process.stop(demo_home)  # a demo interrupted earlier may have left one behind
@@ -360,42 +392,61 @@ def run_demo(config: DemoConfig, home: Path, report: Callable[[str], None]) -> D
         base_model=model, port=port, device="cpu", dtype=config.dtype
     )
     report(f"starting a server for {model} on 127.0.0.1:{port}")
-    with _interruptible(), contextlib.ExitStack() as cleanup:
-        cleanup.callback(_stop_server, process, demo_home, report)
-        record, healthy = torch_backend.start(demo_home, options, wait=300)
-        if not healthy:
-            raise RlcliError(f"the demo's server did not become healthy; see {record.log_path}")
-        report(f"server pid {record.pid} healthy after {time.monotonic() - started:.0f}s")
-        service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
-        trainer = service.create_lora_training_client(
-            base_model=model, rank=config.lora_rank, seed=config.seed
-        ).result()
-        tokenizer = trainer.get_tokenizer()
-        stop = [t for t in {end_of_turn_id(tokenizer), tokenizer.eos_token_id} if t is not None]
-        result = DemoResult(model=model, run_dir=str(run_dir), plot="", seconds=0.0)
+    try:
+        with _interruptible(), contextlib.ExitStack() as cleanup:
+            cleanup.callback(_stop_server, process, demo_home, report)
+            record, healthy = torch_backend.start(demo_home, options, wait=300)
+            if not healthy:
+                raise RlcliError(f"the demo's server did not become healthy; see {record.log_path}")
+            report(f"server pid {record.pid} healthy after {clock() - started:.0f}s")
+            service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
+            trainer = service.create_lora_training_client(
+                base_model=model, rank=config.lora_rank, seed=config.seed
+            ).result()
+            tokenizer = trainer.get_tokenizer()
+            stop = [t for t in {end_of_turn_id(tokenizer), tokenizer.eos_token_id} if t is not None]
+            result = DemoResult(model=model, run_dir=str(run_dir), plot="", seconds=0.0)
 
-        report(f"before: answering {len(PROMPTS)} questions (greedy)")
-        t0 = time.monotonic()
-        result.before, result.before_finished = _answers(
-            trainer, tokenizer, stop, "demo-before", config.max_tokens
-        )
-        answers_took = time.monotonic() - t0
-        report(f"SFT: {sft_steps} steps teaching a pirate voice (answers open with 'Arr!')")
-        result.sft_losses = run_sft(trainer, tokenizer, config, sft_steps, report)
-        report(f"RL: {rl_steps} steps rewarding short answers (1 at <= {SHORT_WORDS} words)")
-        # --minutes bounds the RL phase unless --rl-steps was given: what is left of the budget
-        # after the answers that still follow (as long as the first round took)
-        deadline = None
-        if config.rl_steps is None:
-            deadline = started + config.minutes * 60 - answers_took - 15
-        result.rl_rewards = run_rl(trainer, tokenizer, stop, config, rl_steps, report, deadline)
-        report("after: the same questions again")
-        result.after, result.after_finished = _answers(
-            trainer, tokenizer, stop, "demo-after", config.max_tokens
-        )
-    result.seconds = round(time.monotonic() - started, 1)
+            report(f"before: answering {len(PROMPTS)} questions (greedy)")
+            t0 = clock()
+            result.before, result.before_finished = _answers(
+                trainer, tokenizer, stop, "demo-before", config.max_tokens
+            )
+            answers_took = clock() - t0
+            runs.open()
+            report(f"SFT: {sft_steps} steps teaching a pirate voice (answers open with 'Arr!')")
+            result.sft_losses, sft_seconds = run_sft(
+                trainer, tokenizer, config, sft_steps, report, record=runs.row
+            )
+            # --minutes sizes the RL phase unless --rl-steps was given: the SFT steps measured
+            # this machine, and what is left of the budget after the answers that still follow
+            budget = None
+            result.rl_plan = f"RL: {rl_steps} steps (--rl-steps)"
+            if config.rl_steps is None:
+                budget = RLBudget.for_budget(
+                    rl_steps, started, config.minutes, reserve_s=answers_took + 15, clock=clock
+                )
+                result.rl_plan = budget.plan(mean(sft_seconds[1:] or sft_seconds))
+            report(result.rl_plan)
+            report(f"RL: rewarding short answers (1 at <= {SHORT_WORDS} words)")
+            result.rl_rewards = run_rl(
+                trainer, tokenizer, stop, config, rl_steps, report, budget,
+                record=runs.row, first_step=sft_steps,
+            )  # fmt: skip
+            report("after: the same questions again")
+            result.after, result.after_finished = _answers(
+                trainer, tokenizer, stop, "demo-after", config.max_tokens
+            )
+    except KeyboardInterrupt:
+        runs.close("interrupted", 130, "interrupted (Ctrl-C or SIGTERM)")
+        raise
+    except BaseException as e:
+        runs.close("failed", 1, f"{type(e).__name__}: {str(e)[:300]}")
+        raise
+    result.seconds = round(clock() - started, 1)
     result.plot = str(plot_curves(run_dir / "curves.png", result.sft_losses, result.rl_rewards))
     (run_dir / "summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+    runs.close("finished", 0, None)
     return result
 
 
@@ -434,18 +485,19 @@ def _answers(trainer, tokenizer, stop, name: str, max_tokens: int):
 
 
 def _run_dir(config: DemoConfig, home: Path) -> Path:
+    """Where the run goes (made when its first step starts: ``record.DemoFolder``)."""
     if config.log_path:
         run_dir = Path(config.log_path).expanduser()
     else:
         run_dir = home / "runs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     if run_dir.exists() and not run_dir.is_dir():
         raise RlcliError(f"--log-path {run_dir}: exists and is not a folder")
-    run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
 
 def plot_curves(out: Path, sft_losses: list[float], rl_rewards: list[float]) -> Path:
-    """Two panels: the SFT loss per step and the mean RL reward per step."""
+    """Two panels: the SFT loss per step and the mean RL reward per step (titled with
+    whether it rose: ``budget.verdict``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -454,7 +506,7 @@ def plot_curves(out: Path, sft_losses: list[float], rl_rewards: list[float]) -> 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, values, title, label in (
         (left, sft_losses, "SFT: pirate voice", "loss per token"),
-        (right, rl_rewards, "RL: short answers", "mean reward"),
+        (right, rl_rewards, f"RL: short answers ({_rl_title(rl_rewards)})", "mean reward"),
     ):
         ax.plot(range(1, len(values) + 1), values, marker="o")
         ax.set_title(title)
@@ -466,6 +518,11 @@ def plot_curves(out: Path, sft_losses: list[float], rl_rewards: list[float]) -> 
     fig.savefig(out, format="png", dpi=100)
     plt.close(fig)
     return out
+
+
+def _rl_title(rewards: list[float]) -> str:
+    rose = verdict(rewards)["rose"]
+    return {True: "rose", False: "no rise shown", None: "too few steps to tell"}[rose]
 
 
 def side_by_side(result: DemoResult, width: int) -> str:

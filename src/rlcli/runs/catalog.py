@@ -50,9 +50,12 @@ METRICS = {
         ("rlcli/logp_diff_mean:mean", "sampler/trainer |dlogp|"),
     ),
     "dpo": (("dpo_loss", "loss"), ("margin", "margin"), ("accuracy", "accuracy")),
-    "opsd": (("teacher_kl", "kl"),),
+    # kl: the k3 estimate (never negative, compat/distill.py); the cookbook's own mean
+    # log p - log q beside it (and in runs from before rlcli logged k3)
+    "opsd": (("rlcli/teacher_kl_k3", "kl"), ("teacher_kl", "log p - log q")),
     "internalize": (("train_mean_nll", "loss"),),
     "harbor": (("env/all/reward/total", "reward"), ("env/all/test_passed", "passed")),
+    "demo": (("rl_reward", "RL reward"), ("sft_loss", "SFT loss")),  # rlcli demo (demo/record.py)
 }
 
 
@@ -151,10 +154,11 @@ def state(run_dir: Path) -> dict:
         ended = record.get("ended") if record.get("status") not in LIVE else None
         ended = ended or _mtime(run_dir / METRICS_FILE) or _mtime(run_dir / CONSOLE)
     last_label, last_value = None, None
-    for key, label in METRICS.get(kind or "", ())[:1]:
+    for key, label in METRICS.get(kind or "", ()):  # the headline, else the first measured
         values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
         if values:
             last_label, last_value = label, float(values[-1])
+            break
     total = record.get("total_steps") or plan.get("steps")
     return {
         "id": run_dir.name,

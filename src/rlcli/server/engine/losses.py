@@ -280,6 +280,15 @@ def unknown_loss_message(name: str) -> str:
     return f"loss_fn: unknown loss {name!r}; supported: {supported}"
 
 
+# Several short examples packed into one datum (``train sl --pack``): the segment each position
+# belongs to (0, 1, ...; non-decreasing). A position attends only to its own segment's earlier
+# positions and counts its position from its segment's start, so each example computes exactly
+# what it would alone. Sent as one more loss_fn_inputs array, the only per-token channel of a
+# Tinker datum; rlcli's own (the capabilities say so), checked in ``http/tinker/validate.py``,
+# applied in ``training.packed_attention``.
+PACKING_INPUT = "rlcli_segment_ids"
+
+
 def default_input(name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """The value of an optional input that a datum left out. Each datum is self-contained, as
     in Tinker: a batch may mix datums with and without ``weights``."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rlcli.server.engine import finite, logprobs, losses, shared_prefix
+from rlcli.server.engine import activations, finite, logprobs, losses, shared_prefix
 from rlcli.server.errors import UserError
 from rlcli.server.wire import DatumArrays
 
@@ -57,6 +57,7 @@ class Training:
     share_prefixes: bool
     adapters: dict[str, Adapter]
     _split_head: bool
+    _compact_activations: bool
     _checkpoint_above: float
     _checkpoint_layers: list[torch.nn.Module]
 
@@ -91,6 +92,13 @@ class Training:
             for layer in layers:
                 layer.training = False
 
+    def _keeping(self) -> contextlib.AbstractContextManager:
+        """Around a training forward: what it saves for the backward kept as bf16 copies
+        where the engine computes in bf16 on a CPU (``activations.py``)."""
+        if not (self._compact_activations and torch.is_grad_enabled()):
+            return contextlib.nullcontext()
+        return activations.compact(activations.model_storages(self.model))
+
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states -> logits, as the model's own forward computes them (the output
         layer, with its LoRA if one is active, in the model's dtype; then a logit soft-cap if
@@ -99,12 +107,13 @@ class Training:
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def _hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _hidden_states(self, tokens: torch.Tensor, packing: dict | None = None) -> torch.Tensor:
         """The decoder's output for right-padded rows. No attention mask: causality alone
         keeps each real position from the padding after it (a padded position's output is
         never read), and SDPA's causal kernel skips what a mask would only hide (~1.5% of a
-        bf16 forward_backward of 8 RL rows, identical logprobs and gradients)."""
-        out = self.model.get_decoder()(input_ids=tokens, use_cache=False)
+        bf16 forward_backward of 8 RL rows, identical logprobs and gradients). ``packing``:
+        a packed batch's mask and positions (``packed_attention``)."""
+        out = self.model.get_decoder()(input_ids=tokens, use_cache=False, **(packing or {}))
         return out.last_hidden_state
 
     @torch.no_grad()
@@ -240,7 +249,8 @@ class Training:
         """Micro-batches: datum indices, and per row its group's slot in the prefix pass and
         where its own part starts ((-1, 0): none; see ``shared_prefix``). A critic's rows run
         whole (its values come from every row's own hidden states)."""
-        shareable = self.share_prefixes and not critic
+        packed = any(losses.PACKING_INPUT in d.inputs for d in data)
+        shareable = self.share_prefixes and not critic and not packed
         if shareable and all(d.inputs["target_tokens"].ndim == 1 for d in data):
             groups = shared_prefix.find_groups(
                 [d.tokens for d in data], [d.inputs["target_tokens"] for d in data]
@@ -298,18 +308,20 @@ class Training:
         tokens, mask, targets = tokens.to(dev), mask.to(dev), targets.to(dev)
         inputs = {k: v.to(dev) for k, v in inputs.items()}
         targets = targets.flatten(2) if targets.dim() > 2 else targets
+        packing = packed_attention(batch, width, dev)
         if value_head is not None:
-            with self._checkpointing(tokens.numel()):
-                hidden = self._hidden_states(tokens)[mask]
+            with self._checkpointing(tokens.numel()), self._keeping():
+                hidden = self._hidden_states(tokens, packing)[mask]
             picked = value_head(hidden.float()).squeeze(-1)
         elif shared is not None and any(slot >= 0 for slot, _ in shared):
-            picked = self._shared_logprobs(tokens, mask.sum(1), targets, shared)
+            with self._keeping():
+                picked = self._shared_logprobs(tokens, mask.sum(1), targets, shared)
         else:
-            with self._checkpointing(tokens.numel()) as recompute:
+            with self._checkpointing(tokens.numel()) as recompute, self._keeping():
                 if self._split_head:
-                    hidden, head = self._hidden_states(tokens), self.head_logits
-                else:
-                    hidden = module(input_ids=tokens).logits  # right-padded: _hidden_states
+                    hidden, head = self._hidden_states(tokens, packing), self.head_logits
+                else:  # right-padded: see _hidden_states
+                    hidden = module(input_ids=tokens, **(packing or {})).logits
                     head = _identity
                 picked = logprobs.target_logprobs(
                     hidden[mask], head, targets[mask], None, recompute
@@ -438,3 +450,25 @@ def step_mismatch(sums: dict[str, float]) -> dict[str, float]:
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def packed_attention(batch: list[DatumArrays], width: int, device) -> dict | None:
+    """For a micro-batch with packed datums (``losses.PACKING_INPUT``): the decoder's boolean
+    4D attention mask [B, 1, T, T] (causal within a segment) and position ids restarting at
+    each segment; None for a batch without (the plain causal pass). A datum without segments
+    is one segment."""
+    if not any(losses.PACKING_INPUT in d.inputs for d in batch):
+        return None
+    segments = torch.full((len(batch), width), -1, dtype=torch.long)
+    for row, d in enumerate(batch):
+        ids = d.inputs.get(losses.PACKING_INPUT)
+        n = len(d.tokens)
+        segments[row, :n] = 0 if ids is None else torch.from_numpy(ids.astype(np.int64))
+    segments = segments.to(device)
+    position = torch.arange(width, device=device)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.where(starts, position, 0).cummax(dim=1).values
+    same = segments[:, :, None] == segments[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    return {"attention_mask": (same & causal)[:, None], "position_ids": position - first}

@@ -108,6 +108,7 @@ async def get_server_capabilities(state: State):
         "loss_fn_config": losses.config_defaults(),
         "max_lora_rank": state.settings.max_lora_rank,
         "lora_alpha": True,  # takes user_metadata.rlcli_lora_alpha (schemas.LORA_ALPHA_METADATA)
+        "packing": losses.PACKING_INPUT,  # packed datums' segment ids (train sl --pack)
         "max_sample_tokens": state.settings.max_sample_tokens,
         "backend": "torch",
         # rlcli's own doc-to-LoRA routes (http/d2l.py): hypernetworks on this base model.

@@ -45,7 +45,7 @@ def validate_forward_backward(
         )
     if not req.data:
         raise RequestError("data: empty; send at least one datum")
-    allowed = {"target_tokens", *spec.inputs}
+    allowed = {"target_tokens", losses.PACKING_INPUT, *spec.inputs}
     for i, datum in enumerate(req.data):
         where = f"data[{i}]"
         n = len(datum.tokens)
@@ -94,8 +94,23 @@ def validate_forward_backward(
                 )
             if name == "target_tokens":
                 check_token_ids(arr, vocab_size, field)
+            elif name == losses.PACKING_INPUT:
+                _check_segments(arr, field)
             elif not np.all(np.isfinite(arr)):
                 raise RequestError(f"{field}: contains NaN or infinity")
+
+
+def _check_segments(ids: np.ndarray, field: str) -> None:
+    """A packed datum's segment ids: whole numbers from 0, each the same as the one before or
+    one more (a segment is a run of positions)."""
+    if not np.all(np.isfinite(ids)) or not np.all(ids == np.round(ids)) or ids[0] != 0:
+        raise RequestError(f"{field}: segment ids are whole numbers starting at 0")
+    steps = np.diff(ids)
+    if np.any((steps != 0) & (steps != 1)):
+        at = int(np.flatnonzero((steps != 0) & (steps != 1))[0]) + 1
+        raise RequestError(
+            f"{field}[{at}]: segment ids go up by 0 or 1 from one position to the next"
+        )
 
 
 def _check_spans(lengths: list[int] | None, total: int, field: str, what: str) -> None:
