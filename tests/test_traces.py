@@ -167,6 +167,10 @@ def test_traces_list_show_and_export_feed_train_sl(episode, tools_server, tools_
     assert by_id[answers[1].id]["tool_outputs"] == ["18C, sunny in Paris"]
     assert by_id[answers[0].id]["answer"] == "It is 18C and sunny in Paris."
     assert by_id[answers[0].id]["question"] == "Weather in Paris?"
+    judged = cli("traces", "export", "--as", "judged", "--dir", folder)
+    by_trace = {r["origin"]["trace_id"]: r for r in map(json.loads, judged.stdout.splitlines())}
+    assert set(by_trace) == {a.id for a in answers}  # every answer with a verdict
+    assert by_trace[answers[0].id]["messages"][-1]["tool_calls"][0]["id"].startswith("call_")
 
     # `rlcli traces export --as sft | rlcli train sl --dataset -`, as imports are fed
     run = run_rlcli(

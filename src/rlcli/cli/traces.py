@@ -28,7 +28,10 @@ KEY = typer.Option(None, help="Only traces with a verdict of this feedback key (
 MIN_SCORE = typer.Option(None, help="Only traces with a verdict scored at least this.")
 MAX_SCORE = typer.Option(None, help="Only traces with a verdict scored at most this.")
 
-AS_HELP = "sft (train sl) | dpo (train dpo) | prompts (train rl --dataset)."
+AS_HELP = (
+    "sft (train sl) | dpo (train dpo) | prompts (train rl --dataset) | judged (every judged "
+    "answer with its verdicts: learn --traces)."
+)
 
 
 def _filters(since, until, model, key, min_score, max_score, limit=None):

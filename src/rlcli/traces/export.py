@@ -5,6 +5,8 @@
   correction as the answer instead.
 - ``dpo`` (``train dpo``): ``{"chosen", "rejected"}`` conversations, the correction against the
   answer it corrected.
+- ``judged`` (``rlcli learn --traces``, ``rlcli redact``, anything that reads import rows):
+  every trace with a verdict, as the conversation ending in the answer it judged.
 - ``prompts`` (``train rl --dataset ... --reward``): the question, the conversation before the
   answer, the recorded tool outputs and the verdicts, and the correction as ``answer`` where
   there is one.
@@ -20,7 +22,7 @@ from typing import Any
 
 from rlcli.data.chat import content_text
 
-KINDS = ("sft", "dpo", "prompts")
+KINDS = ("sft", "dpo", "prompts", "judged")
 
 
 def conversation(trace: dict) -> list[dict] | None:
@@ -115,6 +117,10 @@ def rows(
                 rejected = [*prompt, {"role": "assistant", "content": said["content"]}]
                 out.append({"chosen": chosen, "rejected": rejected, **row})
                 made += 1
+        elif kind == "judged":
+            if trace["feedback"]:
+                out.append(_row(trace, [*prompt, said], "judged"))
+                made += 1
         elif kind == "prompts":
             question = next((m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
             if question.strip():
@@ -137,6 +143,8 @@ def rows(
 def _why_not(kind: str, verdicts: list, fixes: list) -> str:
     if kind == "prompts":
         return "no user question"
+    if kind == "judged":
+        return "no verdict"
     if kind == "dpo":
         return "no correction" if not fixes else "the correction equals the answer"
     return "no verdict at or above --min-score and no correction" if verdicts else "no verdict"
