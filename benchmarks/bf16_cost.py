@@ -23,20 +23,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _receipt  # noqa: E402
-from bf16_diagnosis import SMOLLM2, datums, jobs_for, prompts, rollouts  # noqa: E402
-from rl_gsm8k_smollm2 import smollm2_folder  # noqa: E402
+from bf16_diagnosis import datums, jobs_for, prompts, rollouts  # noqa: E402
+from rl_gsm8k_smollm2 import smollm2_model  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--name", default="bf16_cost")
+    parser.add_argument("--model", default=None, help="model folder (default: SmolLM2)")
     args = parser.parse_args()
 
     from rlcli.server.engine import precision
     from rlcli.server.engine.core import Engine
 
-    model = smollm2_folder(SMOLLM2)
+    model = smollm2_model(args.model)
     ps = prompts(model, 4)
     engines = {
         "float32": Engine(str(model), device="cpu", dtype="float32"),

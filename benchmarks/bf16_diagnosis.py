@@ -28,9 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _receipt  # noqa: E402
-from rl_gsm8k_smollm2 import smollm2_folder  # noqa: E402
-
-SMOLLM2 = Path("/work/scratch/smollm2")
+from rl_gsm8k_smollm2 import smollm2_model  # noqa: E402
 
 
 def prompts(model: Path, n: int) -> list[np.ndarray]:
@@ -125,11 +123,11 @@ def mismatch(rows, trained) -> dict:
     }
 
 
-def group_advantages(rows, ps, group, answers):
+def group_advantages(model, rows, ps, group, answers):
     """Reward 1 if the completion contains the right sum, centred per group (as the cookbook)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(SMOLLM2))
+    tok = AutoTokenizer.from_pretrained(str(model))
     rewards = np.array(
         [float(str(answers[i // group]) in tok.decode(t)) for i, (_, t, _) in enumerate(rows)]
     )
@@ -153,11 +151,12 @@ def main() -> None:
         help="mixed: the engine as it is (precision.py); plain: torch's bf16 Linears (before)",
     )  # fmt: skip
     parser.add_argument("--name", default="bf16_diagnosis")
+    parser.add_argument("--model", default=None, help="model folder (default: SmolLM2)")
     args = parser.parse_args()
 
     from rlcli.server.engine.core import Engine
 
-    model = smollm2_folder(SMOLLM2)
+    model = smollm2_model(args.model)
     ps = prompts(model, args.prompts)
     results: dict = {}
     reference_rows = None
@@ -218,7 +217,7 @@ def main() -> None:
                 text = engine.tokenizer.decode(p)
                 x, y = text.rsplit("What is ", 1)[1].split("?")[0].split(" + ")
                 answers.append(int(x) + int(y))
-            r_adv = group_advantages(rows, ps, args.group, answers)
+            r_adv = group_advantages(model, rows, ps, args.group, answers)
             results["advantages"] = r_adv.tolist()
         ref_trained = train_logprobs(engine, "a", reference_rows)
         fixed = [(p, t, lp) for (p, t, _), lp in zip(reference_rows, ref_trained, strict=True)]

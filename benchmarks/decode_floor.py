@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _receipt  # noqa: E402
-from rl_gsm8k_smollm2 import smollm2_folder  # noqa: E402
+from rl_gsm8k_smollm2 import smollm2_folder, smollm2_model  # noqa: E402
 from sampling_smollm2 import read_bandwidth, weight_bytes  # noqa: E402
 
 TARGET_PCT = 30.0
@@ -126,7 +126,10 @@ def one_batch(step, rows: int, positions: int, reps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", default="/work/scratch/smollm2")
+    parser.add_argument(
+        "--model-dir", default=None,
+        help="model folder (SmolLM2 converted into it if empty; default: in $RLCLI_HOME)",
+    )  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--batches", default="8,16")
     parser.add_argument("--positions", type=int, default=128, help="cache positions attended")
@@ -135,7 +138,8 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    model_dir = str(smollm2_folder(Path(args.model_dir)))  # converted there if missing
+    # converted there if missing
+    model_dir = str(smollm2_folder(Path(args.model_dir)) if args.model_dir else smollm2_model())
     bandwidth = [read_bandwidth(torch.device("cpu"))]
     batches = [int(b) for b in args.batches.split(",")]
     results = {args.dtype: measure(model_dir, args.dtype, batches, args.positions, args.reps)}

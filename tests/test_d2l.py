@@ -18,7 +18,9 @@ SMALL = {"rank": 4, "latent": 16, "chunk_tokens": 32, "max_chunks": 2}
 
 
 def small_net(**over) -> Hypernet:
-    config = HypernetConfig(base_model="m", n_layers=3, hidden=24, d_in=40, **{**SMALL, **over})
+    config = HypernetConfig(
+        base_model="m", n_layers=3, first_layer=0, hidden=24, d_in=40, **{**SMALL, **over}
+    )
     torch.manual_seed(0)
     return Hypernet(config)
 
@@ -105,6 +107,25 @@ def test_a_fresh_hypernets_adapter_leaves_logprobs_unchanged_and_a_key_is_determ
     params = tinker.SamplingParams(max_tokens=4, temperature=0.0)
     out = adapted.sample(prompt, num_samples=1, sampling_params=params).result()
     assert len(out.sequences[0].tokens) >= 1
+
+
+def test_a_hypernet_of_the_last_layers_trains_and_its_adapter_samples(
+    hypernets, service, tiny_model
+):
+    """--lora-layers 1: the LoRA on the last layer only (cheaper training: the backward pass
+    stops below it); its adapter names that layer and samples like any other."""
+    import tinker
+
+    made = hypernets.create(seed=1, lora_layers=1, **SMALL)
+    assert made["n_layers"] == 1 and made["first_layer"] == 1
+    example = {"document": "Kalo plays the harp.", "question": "What?", "answer": "harp"}
+    first = hypernets.step(made["hypernet_id"], [example] * 2, 1e-2)
+    assert first["steps"] == 1 and first["grad_norm"] > 0
+    adapter = hypernets.internalize(made["hypernet_id"], "Kalo plays the harp.")
+    hypernets.remove(made["hypernet_id"])
+    prompt = tinker.ModelInput.from_ints(prompt_tokens(tiny_model, "What?"))
+    client = service.create_sampling_client(model_path=adapter["path"]).result()
+    assert len(client.compute_logprobs(prompt).result()) == prompt.length
 
 
 def test_refusals_name_the_field(hypernets, fresh, server, service):
@@ -203,3 +224,46 @@ def test_dry_run_plans_and_a_bad_dataset_is_named(tmp_path, tiny_model):
     assert refused.returncode == 1 and "line 2" in refused.stderr
     refused = cli(*base, "--dataset", "synthetic:zero")
     assert refused.returncode == 1 and "synthetic:N" in refused.stderr
+    import rlcli  # the Python API: the same options, the same plan
+
+    options = rlcli.D2LOptions(model=str(tiny_model), dataset="synthetic:20", base_url=DEAD_URL,
+                               batch_size=4, dry_run=True)  # fmt: skip
+    assert rlcli.train(options).plan.steps == 5
+
+
+def test_runs_cancel_saves_the_hypernet_and_a_resume_continues(tmp_path, server, tiny_model):
+    import os
+    import subprocess
+    import time
+
+    from conftest import RLCLI
+    from conftest import run_rlcli as run
+
+    run_dir = tmp_path / "run"
+    args = (
+        "train", "d2l", "--model", str(tiny_model), "--base-url", server.base_url,
+        "--dataset", "synthetic:400", "--batch-size", "4", "--latent", "16",
+        "--chunk-tokens", "64", "--save-every", "0", "--log-path", str(run_dir),
+    )  # fmt: skip
+    env = {"RLCLI_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([*RLCLI, *args], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300  # a loaded 2-core machine: interpreter, imports, child
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before its third step: {proc.stderr.read()}")
+        assert time.monotonic() < deadline, "no third step"
+        time.sleep(0.2)
+    cancelled = run("runs", "cancel", str(run_dir), "--json", env=env)
+    assert cancelled.returncode == 0, cancelled.stderr
+    path = json.loads(cancelled.stdout)["checkpoint"]["state_path"]
+    assert "/hypernet_weights/" in path
+    proc.communicate(timeout=60)
+    done = len(metrics.read_text().splitlines())
+    last = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").open()][-1]
+    assert last["cancelled"] and last["batch"] == done
+    again = cli(*args, "--max-steps", str(done + 1), env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in metrics.open()]
+    assert steps == list(range(done + 1))  # picked up where it stopped

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -199,6 +200,75 @@ def test_cli_unknown_format_and_missing_file(tmp_path):
     assert result.returncode == 1 and "nope.jsonl: no such file" in result.stderr
     result = cli("import", "-", "-f", "csv", stdin="")
     assert result.returncode == 1 and "--format csv: unknown format" in result.stderr
+
+
+def _dump(tmp_path, rows, name="dump.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("rows", "given", "fits"),
+    [(OPENAI, "anthropic", "openai"), (OPENAI, "sharegpt", "openai"),
+     (ANTHROPIC, "openai", "anthropic"), (SHAREGPT, "messages", "sharegpt"),
+     (MESSAGES, "sharegpt", "messages")],
+)  # fmt: skip
+def test_a_format_that_does_not_fit_is_refused_naming_the_one_that_does(
+    rows, given, fits, tmp_path
+):
+    """`-f anthropic` on an OpenAI dump would drop every row as "no assistant turn"; `-f openai`
+    on an Anthropic dump would lose the system prompt and the final answer: neither is written."""
+    dump, out = _dump(tmp_path, rows), tmp_path / "out.jsonl"
+    out.write_text("precious\n")
+    result = cli("import", str(dump), "-f", given, "-o", str(out))
+    assert result.returncode == 1 and out.read_text() == "precious\n"
+    assert result.stderr.startswith(f"error: {dump}: this does not look like -f {given}: ")
+    assert result.stderr.strip().endswith(f"pass -f {fits} (or -f auto)")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("rows", "fmt"),
+    [(OPENAI, "openai"), (ANTHROPIC, "anthropic"), (SHAREGPT, "sharegpt"),
+     (MESSAGES, "messages")],
+)  # fmt: skip
+def test_auto_picks_the_format_and_reads_as_it_would(rows, fmt, tmp_path):
+    dump = _dump(tmp_path, rows)
+    given = cli("import", str(dump), "-f", fmt)
+    auto = cli("import", str(dump))  # -f auto is the default
+    assert given.returncode == auto.returncode == 0, auto.stderr
+    assert auto.stdout == given.stdout
+    assert auto.stderr.startswith(f"{dump}: format {fmt} (-f auto: it keeps ")
+
+
+def test_auto_picks_each_trace_format(tmp_path):
+    data = Path(__file__).parent / "data" / "imports"
+    for fmt in ("langsmith", "langfuse", "otel"):
+        for source in sorted((data / fmt).glob("*.jsonl")):
+            if source.name.endswith(".expected.jsonl"):  # rlcli's own rows: messages
+                continue
+            auto = cli("import", str(source), "--min-messages", "1")
+            given = cli("import", str(source), "-f", fmt, "--min-messages", "1")
+            assert auto.returncode == 0 and auto.stdout == given.stdout, (source, auto.stderr)
+            assert f"format {fmt} (-f auto" in auto.stderr
+
+
+def test_auto_with_nothing_it_can_read_is_one_line(tmp_path):
+    dump = tmp_path / "notes.jsonl"
+    dump.write_text('{"note": "hello"}\n{"note": "bye"}\n')
+    result = cli("import", str(dump))
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith(f"error: {dump}: -f auto: no format finds a conversation")
+
+
+def test_strict_says_nothing_was_written_and_never_wrote(tmp_path):
+    dump = tmp_path / "dump.jsonl"
+    dump.write_text(json.dumps(OPENAI[0]) + "\n{bad\n")
+    result = cli("import", str(dump), "-f", "openai", "--strict", "-o", str(tmp_path / "o.jsonl"))
+    assert result.returncode == 1 and not (tmp_path / "o.jsonl").exists()
+    assert "wrote" not in result.stderr
+    assert f"{dump}: read 2, 1 usable, none written, 1 bad lines" in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -148,6 +148,54 @@ def test_bad_flags_are_one_line(tmp_path, tiny_model, extra, message):
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def test_the_kl_shown_is_never_negative_where_the_cookbooks_mean_is():
+    """The recipe's ``teacher_kl`` is the mean of log p - log q over sampled tokens: negative on
+    a batch where the teacher likes the samples more than the student (-0.003 read as a bug).
+    The k3 estimate shown instead, exp(d) - 1 - d with d = log q - log p, never is."""
+    import math
+
+    import tinker
+
+    from rlcli.compat.distill import kl_k3
+
+    def datum(sampled, mask):
+        n = len(sampled)
+        return tinker.Datum(
+            model_input=tinker.ModelInput.from_ints(list(range(n))),
+            loss_fn_inputs={
+                "logprobs": tinker.TensorData(data=sampled, dtype="float32", shape=[n]),
+                "mask": tinker.TensorData(data=mask, dtype="float32", shape=[n]),
+            },
+        )
+
+    sampled = [-1.0, -2.0, -0.5, -3.0]
+    mask = [0.0, 1.0, 1.0, 1.0]  # the prompt's position is masked out
+    teacher = [None, 0.0, -1.5, -0.2, -2.5]  # one per token of prompt + answer, first None
+    d = [t - s for t, s in zip(teacher[2:], sampled[1:], strict=True)]  # 0.5, 0.3, 0.5
+    k1 = -sum(d) / 3
+    k3 = sum(math.expm1(x) - x for x in d) / 3
+    assert k1 < 0 < k3
+    assert abs(kl_k3([datum(sampled, mask)], [teacher]) - k3) < 1e-6
+    same = [None, 0.0, *sampled[1:]]  # the teacher is the student: zero
+    assert kl_k3([datum(sampled, mask)], [same]) == 0.0
+
+
+def test_an_offline_hub_teacher_fails_in_seconds_with_one_line(tmp_path, tiny_model, server):
+    """A hub id no cache holds, the hub unreachable: the tokenizer check asks the hub once
+    (models/hub.py) instead of retrying each file for a minute; the server check says what is
+    wrong."""
+    data = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    teacher = "Qwen/Qwen3-0.6B"
+    result = cli(*small(server.base_url, tiny_model, data, tmp_path / "run", "--teacher", teacher),
+                 env={"HF_ENDPOINT": DEAD_URL, "HF_HUB_OFFLINE": ""})  # fmt: skip
+    assert result.returncode == 1 and "Retrying" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith(f"error: --teacher {teacher}: the server at {server.base_url} ")
+    assert f"hosts only {tiny_model}; start a server for the teacher" in errors[0]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_teacher_with_another_tokenizer_is_refused(tmp_path, tiny_model):
     from rlcli.models.tiny import build_tiny_model
 
@@ -242,6 +290,7 @@ def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(
     assert abs(summary["first_teacher_kl"]) < 1e-4
     rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").open()]
     assert [r["step"] for r in rows] == [0, 1] and all("teacher_kl" in r for r in rows)
+    assert all(r["rlcli/teacher_kl_k3"] >= 0 for r in rows)
     # {"messages"} with context, taught by a checkpoint that SFT taught one fixed answer
     messages = write_jsonl(tmp_path / "messages.jsonl", MESSAGES)
     second = cli(*small(server.base_url, tiny_model, messages, tmp_path / "b",
@@ -249,7 +298,8 @@ def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(
     assert second.returncode == 0, second.stderr[-3000:]
     taught = json.loads(second.stdout)
     assert taught["teacher"] == zebra["sampler_path"]
-    assert taught["first_teacher_kl"] > 1.0  # that teacher finds the student's answers unlikely
+    # that teacher finds the student's answers unlikely: both estimates of the KL are large
+    assert taught["first_teacher_logp_diff"] > 1.0 and taught["first_teacher_kl"] > 0.5
     config = (tmp_path / "b" / "config.yaml").read_text()
     assert f"teacher: {zebra['sampler_path']}" in config
     # a teacher checkpoint the server does not have, or a training (not sampler) checkpoint,

@@ -8,3 +8,9 @@ from pathlib import Path
 
 def rlcli_home() -> Path:
     return Path(os.environ.get("RLCLI_HOME") or Path.home() / ".rlcli").expanduser()
+
+
+def checkpoints_dir() -> Path:
+    """Where ``serve start`` keeps checkpoints unless ``--checkpoints-dir`` says otherwise, and
+    where ``export`` finds them with no server running."""
+    return rlcli_home() / "checkpoints"

@@ -21,9 +21,13 @@ WHY = typer.Option("", "--why", help="Why: kept in the alias's history.")
 
 
 def _url(base_url: str | None) -> str:
+    """The server, probed once (``endpoint.check_server``): not there, or not a Tinker server,
+    is one line within seconds."""
     from rlcli.client import endpoint
 
-    return endpoint.resolve_base_url(base_url)[0]
+    url, source = endpoint.resolve_base_url(base_url)
+    endpoint.check_server(url, source=source)
+    return url
 
 
 def _when(stamp: float) -> str:

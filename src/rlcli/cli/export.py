@@ -49,7 +49,7 @@ def restore(opts: RestoreOptions) -> None:
     from rlcli.client import export as exporting
 
     url, source = endpoint.resolve_base_url(opts.base_url)
-    endpoint.check_server(url, source=source, timeout=5)
+    endpoint.check_server(url, source=source)
     info(endpoint.describe(url, source))
     result = exporting.restore(
         url, Path(opts.folder), overwrite=opts.overwrite, force=opts.force, say=info

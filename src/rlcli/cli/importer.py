@@ -3,6 +3,7 @@ traces add ``tools``, ``feedback`` and ``origin``), PII redacted on the way with
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -17,11 +18,12 @@ from rlcli.errors import RlcliError
 def import_(
     source: str = typer.Argument(..., help="A JSONL dump, or - for stdin."),
     fmt: str = typer.Option(
-        ...,
+        "auto",
         "--format",
         "-f",
         help="openai | anthropic | messages | sharegpt (chat logs); langsmith | langfuse | otel "
-        "(traces, with tools and feedback).",
+        "(traces, with tools and feedback); auto: the one that keeps the most of the first "
+        "500 lines. A format that keeps less than another would is refused, naming it.",
     ),
     output: Path = typer.Option(None, "--output", "-o", help="Write here (default: stdout)."),
     min_messages: int = typer.Option(2, help="Skip conversations with fewer messages."),
@@ -41,10 +43,13 @@ def import_(
     Bad lines are reported by number on stderr; conversations without an assistant turn are
     skipped and counted; what a trace holds that no row can is counted by name. With
     --redact, nothing is written unless every conversation was redacted."""
+    from rlcli.data import import_format
     from rlcli.data.importers import ALL_FORMATS, ImportReport, import_lines
 
-    if fmt not in ALL_FORMATS:
-        raise RlcliError(f"--format {fmt}: unknown format; choose from {', '.join(ALL_FORMATS)}")
+    if fmt not in (*ALL_FORMATS, "auto"):
+        raise RlcliError(
+            f"--format {fmt}: unknown format; choose from {', '.join(ALL_FORMATS)} or auto"
+        )
     if (entities or ner_model) and not redact:
         raise RlcliError("--entities and --ner-model choose what --redact removes: add --redact")
     if source == "-":
@@ -54,6 +59,11 @@ def import_(
         if not path.is_file():
             raise RlcliError(f"{source}: no such file")
         lines, name = path.open(encoding="utf-8", errors="replace"), source
+    sample = list(itertools.islice(lines, import_format.SAMPLE_LINES))
+    fmt, chosen = import_format.choose(sample, fmt, name)  # before Presidio, before a write
+    if chosen:
+        info(chosen)
+    lines = itertools.chain(sample, lines)
     scrub = redactor(entities, ner_model) if redact else None  # loads Presidio: seconds
     report = ImportReport()
     rows = import_lines(
@@ -66,6 +76,7 @@ def import_(
         with whole_output(output) as out:
             redaction = _write(rows, out, scrub, name)
             if strict and report.errors:
+                report.discarded = True
                 _report(report, name)
                 raise RlcliError(
                     f"{name}: {len(report.errors)} bad lines (--strict); nothing written"

@@ -12,12 +12,19 @@ from pathlib import Path
 
 import typer
 
+from rlcli.checkpoint_format import CHECKPOINT_TTL_HELP, parse_checkpoint_ttl
 from rlcli.cli._output import emit, info
 from rlcli.errors import RlcliError
 
 app = typer.Typer(help="Run a Tinker-API training server on this machine.", no_args_is_help=True)
 
 BACKENDS = ("torch", "jax", "fsdp", "megatron")
+
+
+def default_checkpoints_dir() -> Path:
+    from rlcli.home import checkpoints_dir
+
+    return checkpoints_dir()
 
 
 def _home() -> Path:
@@ -92,6 +99,9 @@ def start(
     checkpoints_dir: Path = typer.Option(
         None, help="Where checkpoints live (default $RLCLI_HOME/checkpoints)."
     ),
+    checkpoint_ttl: str = typer.Option(
+        "client", help=CHECKPOINT_TTL_HELP, envvar="RLCLI_CHECKPOINT_TTL"
+    ),
     api_key: str = typer.Option(
         None, help="Accept only this X-API-Key (default: any key).", envvar="RLCLI_SERVER_API_KEY"
     ),
@@ -156,6 +166,10 @@ def start(
     if backend not in BACKENDS:
         raise RlcliError(f"--backend {backend}: unknown backend; choose from {', '.join(BACKENDS)}")
     process.check_port(port)
+    try:
+        parse_checkpoint_ttl(checkpoint_ttl)
+    except ValueError as e:
+        raise RlcliError(f"--checkpoint-ttl {checkpoint_ttl}: {e}") from None
     process.check_exposure(host, api_key, insecure, takes_key=backend == "torch")
     if compile is not None and backend != "torch":
         flag = "--compile" if compile else "--no-compile"
@@ -166,8 +180,9 @@ def start(
         _start_skyrl(
             backend, base_model, host, port, device=device, dtype=dtype, api_key=api_key,
             max_lora_rank=max_lora_rank, checkpoints_dir=checkpoints_dir,
-            session_timeout=session_timeout, gpus=gpus, nodes=nodes, tp=tp,
-            max_model_len=max_model_len, ray_address=ray_address, backend_config=backend_config,
+            session_timeout=session_timeout, checkpoint_ttl=checkpoint_ttl, gpus=gpus,
+            nodes=nodes, tp=tp, max_model_len=max_model_len, ray_address=ray_address,
+            backend_config=backend_config,
             wait=wait, foreground=foreground, dry_run=dry_run, as_json=as_json,
         )  # fmt: skip
         return
@@ -192,7 +207,7 @@ def start(
         for f in fields(torch_backend.TorchServerOptions)
         if not f.name.startswith("capture")  # resolved below
     }
-    checkpoints = (checkpoints_dir or home / "checkpoints").expanduser().resolve()
+    checkpoints = (checkpoints_dir or default_checkpoints_dir()).expanduser().resolve()
     resolved = {
         "base_model": torch_backend.check_base_model(base_model),
         "checkpoints_dir": str(checkpoints),
@@ -234,6 +249,7 @@ def _start_skyrl(backend: str, base_model: str, host: str, port: int, **flags) -
         ("--device", flags["device"], "auto"),
         ("--dtype", flags["dtype"], "auto"),
         ("--api-key", flags["api_key"], None),
+        ("--checkpoint-ttl", flags["checkpoint_ttl"], "client"),
     ):
         if value != default:
             raise RlcliError(f"{flag}: only for --backend torch (SkyRL sets its own)")

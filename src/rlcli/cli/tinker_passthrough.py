@@ -52,7 +52,7 @@ def make_command(group: str):
         args = list(ctx.args) or ["--help"]
         url, source = endpoint.resolve_base_url(base_url)
         if not {"--help", "-h"} & set(args):
-            endpoint.check_server(url, source=source, timeout=3)
+            endpoint.check_server(url, source=source)
         env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": endpoint.api_key()}
         argv = tinker_command(group, args)
         os.execve(argv[0], argv, env)

@@ -33,11 +33,19 @@ from typing import Any
 
 import httpx
 
-from rlcli.checkpoint_format import ARCHIVE_FILES, RESTORE_FILES, STATE_FILES
+from rlcli import checkpoint_format
+from rlcli.checkpoint_format import (
+    ARCHIVE_FILES,
+    RESTORE_FILES,
+    STATE_FILES,
+    TinkerPathError,
+    parse_tinker_path,
+)
 from rlcli.client import endpoint, hub_push
 from rlcli.client.sample_chat import split_tinker_path
 from rlcli.errors import RlcliError
 from rlcli.flags import BASE_URL_HELP, option
+from rlcli.home import checkpoints_dir
 
 MANIFEST = "rlcli_export.json"  # where it came from: restore reads the tinker:// path here
 
@@ -109,6 +117,46 @@ def download(link: str, dest: Path, say: Say) -> int:
         raise RlcliError(f"the archive download failed ({type(e).__name__})") from None
     say(f"downloaded {human(size)} in {time.monotonic() - started:.1f}s")
     return size
+
+
+# ---- or read from this machine ------------------------------------------------------------
+
+
+def local_version(path: str, root: Path) -> Path | None:
+    """The version folder of checkpoint ``path`` under a checkpoints folder on this machine
+    (what ``serve start`` writes, ``$RLCLI_HOME/checkpoints`` by default), or None. Run ids are
+    UUIDs, so a folder of that name holds that run's checkpoints and no other server's."""
+    try:
+        ref = parse_tinker_path(path)
+    except TinkerPathError:
+        return None
+    return checkpoint_format.resolve(ref.folder(root))
+
+
+def copy_local(version: Path, folder: Path, wanted: tuple[str, ...]) -> None:
+    """``wanted`` from a version folder (and ``run.json`` from its run's folder) into
+    ``folder``: the files the server's archive of that checkpoint would hold."""
+    run_json = version.parent.parent / "run.json"
+    for name in wanted:
+        source = run_json if name == "run.json" else version / name
+        if source.is_file():
+            shutil.copyfile(source, folder / name)
+    missing = [n for n in wanted if n != "checkpoint.json" and not (folder / n).is_file()]
+    if missing:
+        raise RlcliError(f"{version}: the checkpoint lacks {', '.join(missing)}")
+
+
+def fetch(origin: str | Path, path: str, folder: Path, wanted, work: Path, say: Say) -> None:
+    """The checkpoint's ``wanted`` files into ``folder``: copied from its version folder when
+    ``origin`` is one (a ``Path``), else downloaded from the server at ``origin`` (a URL)."""
+    if isinstance(origin, Path):
+        say(f"reading {path} from {origin} (no server needed)")
+        copy_local(origin, folder, wanted)
+        return
+    link = archive_url(origin, path, "optimizer.pt" in wanted)
+    say(f"downloading {path} ...")
+    download(link, work / "checkpoint.tar", say)
+    unpack(work / "checkpoint.tar", folder, wanted)
 
 
 def unpack(tar_path: Path, folder: Path, wanted: tuple[str, ...]) -> None:
@@ -201,7 +249,7 @@ def _untie_output_layer(model) -> bool:
 
 
 def export(
-    url: str,
+    origin: str | Path,
     path: str,
     out: Path,
     *,
@@ -211,29 +259,26 @@ def export(
     force: bool = False,
     say: Say = lambda _: None,
 ) -> dict[str, Any]:
-    """Write the checkpoint at ``path`` to ``out`` (see the module docstring); a summary."""
+    """Write the checkpoint at ``path`` to ``out`` (see the module docstring); a summary.
+    ``origin``: the server's URL, or the checkpoint's version folder on this machine."""
     check_source(path, with_optimizer)
     if merge_model and with_optimizer:
         raise RlcliError("--merge and --with-optimizer: a merged model has no optimizer state")
     out = check_output(out, force)
-    link = archive_url(url, path, with_optimizer)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.download-", dir=out.parent))
     staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
-        tar_path = work / "checkpoint.tar"
-        say(f"downloading {path} ...")
-        download(link, tar_path, say)
         wanted = ARCHIVE_FILES + (STATE_FILES if with_optimizer else ())
         adapter_dir = work / "adapter" if merge_model else staged
         adapter_dir.mkdir(exist_ok=True)
-        unpack(tar_path, adapter_dir, wanted)
+        fetch(origin, path, adapter_dir, wanted, work, say)
         config = json.loads((adapter_dir / "adapter_config.json").read_text())
         trained_on = config.get("base_model_name_or_path")
         if merge_model:
             merge(adapter_dir, base_model or trained_on, staged, say)
         manifest = {
             "source": path,
-            "server": url,
+            "server": str(origin),
             "base_model": trained_on,
             "lora_rank": config.get("r"),
             "merged": merge_model,
@@ -309,7 +354,14 @@ class ExportOptions:
         "needs a token: hf auth login or HF_TOKEN).",
     )
     hub_private: bool = option(False, "With --push-to-hub: create the repo private.")
-    base_url: str | None = option(None, BASE_URL_HELP)
+    checkpoints_dir: str | None = option(
+        None,
+        "Read the checkpoint from this folder (a server's --checkpoints-dir) instead of asking a "
+        "server; default: $RLCLI_HOME/checkpoints when it holds the checkpoint.",
+    )
+    base_url: str | None = option(
+        None, BASE_URL_HELP + " Given, the checkpoint is downloaded from it, not read here."
+    )
     json: bool = option(False, "Print what was written as JSON.", saved=False)
 
 
@@ -341,16 +393,15 @@ def export_checkpoint(
     check_source(path, o.with_optimizer)
     if o.push_to_hub:  # everything that can refuse the push, before anything is written
         hub_push.check(o.push_to_hub)
-    url, where = endpoint.resolve_base_url(o.base_url)
-    endpoint.check_server(url, source=where, timeout=5)
-    say(endpoint.describe(url, where))
+    origin = _origin(path, o, say)
     if o.gguf:
         result = export_gguf(
-            url, path, out, gguf_type=o.gguf_type, base_model=o.base_model, force=o.force, say=say
-        )
+            origin, path, out, gguf_type=o.gguf_type, base_model=o.base_model, force=o.force,
+            say=say,
+        )  # fmt: skip
     else:
         result = export(
-            url, path, out, merge_model=o.merge, with_optimizer=o.with_optimizer,
+            origin, path, out, merge_model=o.merge, with_optimizer=o.with_optimizer,
             base_model=o.base_model, force=o.force, say=say,
         )  # fmt: skip
     if o.push_to_hub:
@@ -358,8 +409,25 @@ def export_checkpoint(
     return result
 
 
+def _origin(path: str, o: ExportOptions, say: Say) -> str | Path:
+    """Where the checkpoint's files come from: this machine's checkpoints folder when they are
+    there (``--checkpoints-dir``, else ``$RLCLI_HOME/checkpoints``) and no ``--base-url`` names
+    a server, so a finished run exports with no server running; else the server, probed."""
+    if not o.base_url:
+        root = Path(o.checkpoints_dir).expanduser() if o.checkpoints_dir else checkpoints_dir()
+        version = local_version(path, root)
+        if version is not None:
+            return version
+        if o.checkpoints_dir:
+            raise RlcliError(f"--checkpoints-dir {o.checkpoints_dir}: no checkpoint {path} there")
+    url, where = endpoint.resolve_base_url(o.base_url)
+    endpoint.check_server(url, source=where)
+    say(endpoint.describe(url, where))
+    return url
+
+
 def export_gguf(
-    url: str,
+    origin: str | Path,
     path: str,
     out: Path,
     *,
@@ -378,14 +446,11 @@ def export_gguf(
     if gguf_type not in TYPES:
         raise RlcliError(f"--gguf-type {gguf_type}: not one of {', '.join(TYPES)}")
     out = check_gguf_output(out, force)
-    link = archive_url(url, path, False)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
-        say(f"downloading {path} ...")
-        download(link, work / "checkpoint.tar", say)
         adapter = work / "adapter"
         adapter.mkdir()
-        unpack(work / "checkpoint.tar", adapter, ARCHIVE_FILES)
+        fetch(origin, path, adapter, ARCHIVE_FILES, work, say)
         config = json.loads((adapter / "adapter_config.json").read_text())
         trained_on = config.get("base_model_name_or_path")
         merge(adapter, base_model or trained_on, work / "merged", say, as_saved=False)
@@ -400,7 +465,7 @@ def export_gguf(
     return {
         "output": str(out),
         "source": path,
-        "server": url,
+        "server": str(origin),
         "base_model": trained_on,
         "lora_rank": config.get("r"),
         **written,

@@ -104,7 +104,7 @@ def resolve_target(
     """Check the server and what to sample from; one line for each way it can be wrong."""
     if not model and not checkpoint:
         raise RlcliError("pass --model MODEL (a base model) or --checkpoint tinker://...")
-    endpoint.check_server(base_url, source=source, timeout=5)
+    endpoint.check_server(base_url, source=source)
     if aliases.is_alias_name(checkpoint):  # the checkpoint the alias serves now
         version = aliases.resolve(base_url, checkpoint)
         served = version["checkpoint"]

@@ -100,15 +100,54 @@ class Teacher:
         raise RuntimeError("--teacher-hint: a sampled sequence starts with none of the prompts")
 
 
+# The recipe logs ``teacher_kl``, the mean of log p - log q over the student's sampled tokens
+# (p the student, q the teacher): the "k1" estimate of KL(p || q), unbiased but negative on a
+# batch where the teacher happens to like the samples more than the student does (-0.003 read
+# as a bug). rlcli logs beside it the "k3" estimate of the same KL, mean (r - 1) - log r with
+# r = q / p: also unbiased under the student's samples, and never negative per token
+# (Schulman, "Approximating KL divergence", 2020). The progress line and the summary show k3.
+TEACHER_KL_K3 = "rlcli/teacher_kl_k3"
+
+
+class _Recorded:
+    """One datum's teacher, remembering the logprobs it returned (the recipe keeps them)."""
+
+    def __init__(self, teacher) -> None:
+        self.teacher, self.values = teacher, None
+
+    async def compute_logprobs_async(self, sequence):
+        self.values = await self.teacher.compute_logprobs_async(sequence)
+        return self.values
+
+
+def kl_k3(data_D, teacher_logprobs_D) -> float:
+    """Mean over the student's sampled tokens (the recipe's mask) of exp(d) - 1 - d, with
+    d = log q - log p: teacher logprob minus the student's sampled logprob."""
+    import torch
+
+    total, count = 0.0, 0.0
+    for datum, teacher in zip(data_D, teacher_logprobs_D, strict=True):
+        sampled = datum.loss_fn_inputs["logprobs"].to_torch().double()
+        mask = datum.loss_fn_inputs["mask"].to_torch().double()
+        scored = torch.tensor([v or 0.0 for v in teacher[1:]], dtype=torch.float64)
+        d = (scored - sampled) * mask  # masked tokens: d = 0, so their term is 0
+        total += float((torch.expm1(d) - d).sum())
+        count += float(mask.sum())
+    return total / count if count else 0.0
+
+
 def score_teachers_with(teacher_for) -> None:
     """Make the distillation recipe score with ``teacher_for(teacher_client)`` instead of the
-    teacher client it built (see the comment above)."""
+    teacher client it built (see the comment above), and log ``TEACHER_KL_K3`` beside its
+    ``teacher_kl``."""
     from tinker_cookbook.distillation import train_on_policy
 
     original = train_on_policy.incorporate_kl_penalty
 
     async def incorporate_kl_penalty(data_D, teacher_clients_D, *args, **kwargs):
-        teachers = [teacher_for(client) for client in teacher_clients_D]
-        return await original(data_D, teachers, *args, **kwargs)
+        teachers = [_Recorded(teacher_for(client)) for client in teacher_clients_D]
+        metrics = await original(data_D, teachers, *args, **kwargs)
+        metrics[TEACHER_KL_K3] = kl_k3(data_D, [t.values for t in teachers])
+        return metrics
 
     train_on_policy.incorporate_kl_penalty = incorporate_kl_penalty

@@ -42,13 +42,11 @@ def resolve_renderer(model: str, requested: str | None):
     if not Path(model).expanduser().exists():  # a hub id: a lookup that may be slow
         for check in list(_BEFORE_HUB_LOOKUP):
             check()
-    tokenizer = None
-    try:
-        from tinker_cookbook import tokenizer_utils
+    from rlcli.models import hub
 
-        tokenizer = tokenizer_utils.get_tokenizer(model)
-    except Exception:  # hub id without network: the recipe will say so if it needs it
-        tokenizer = None
+    # None: a hub id without network and not in the cache (found out in seconds, no retries);
+    # the recipe will say so if it needs it
+    tokenizer = hub.tokenizer(model)
     if requested:
         return requested, "--renderer" + _agreement(requested, tokenizer), tokenizer
     from tinker_cookbook import model_info

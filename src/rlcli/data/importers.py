@@ -186,9 +186,13 @@ class ImportReport:
     skipped: Counter = field(default_factory=Counter)
     errors: list[LineError] = field(default_factory=list)
     unmapped: Counter = field(default_factory=Counter)
+    discarded: bool = False  # --strict refused the file: the rows read were not written
 
     def summary(self) -> str:
-        parts = [f"read {self.read}", f"wrote {self.written}"]
+        written = f"wrote {self.written}"
+        if self.discarded:
+            written = f"{self.written} usable, none written"
+        parts = [f"read {self.read}", written]
         parts += [f"skipped {n} ({why})" for why, n in sorted(self.skipped.items())]
         if self.errors:
             parts.append(f"{len(self.errors)} bad lines")

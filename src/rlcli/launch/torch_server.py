@@ -29,6 +29,7 @@ class TorchServerOptions:
     max_body_mb: float = 256.0
     max_upload_gb: float = 16.0
     compile: bool | None = None  # compile the decode step; None: the server's default (GPU: on)
+    checkpoint_ttl: str = "client"  # checkpoint_format.parse_checkpoint_ttl
     capture: str | None = None  # the capture folder (None: capture off; docs/traces.md)
     capture_tinker: bool = False
     capture_redact: bool = False
@@ -67,6 +68,7 @@ def server_command(options: TorchServerOptions) -> list[str]:
         "--max-sample-tokens", str(options.max_sample_tokens),
         "--max-body-mb", str(options.max_body_mb),
         "--max-upload-gb", str(options.max_upload_gb),
+        "--checkpoint-ttl", options.checkpoint_ttl,
     ]  # fmt: skip
     if options.grad_checkpointing is not None:
         command.append(f"--{'' if options.grad_checkpointing else 'no-'}grad-checkpointing")

@@ -32,7 +32,8 @@ from rlcli.runs.runner import metric_values
 
 DATASET_FILE = "prompts.jsonl"  # stdin's prompts, kept in the run folder
 HINT_SEPARATOR = "\n\n"  # the teacher sees: hint, blank line, prompt
-TEACHER_KL = "teacher_kl"  # the cookbook's per-step mean reverse KL(student || teacher)
+TEACHER_KL = "teacher_kl"  # the cookbook's per-step mean of log p - log q: can be negative
+TEACHER_KL_K3 = distill.TEACHER_KL_K3  # the same KL estimated so it never is (shown as "kl")
 SAMPLED_TOKENS = "env/all/total_ac_tokens"
 
 
@@ -95,14 +96,15 @@ def teacher_of(opts: OpsdOptions) -> tuple[str, str | None]:
 
 def check_same_tokenizer(student_tokenizer, teacher_model: str) -> None:
     """The teacher scores the student's token ids, so another base model must share the
-    student's vocabulary. Skipped when either tokenizer cannot be loaded here (offline hub id)."""
+    student's vocabulary. Skipped when either tokenizer cannot be loaded here: a hub id the
+    cache lacks while the hub is unreachable is decided in seconds (``models/hub.py``), and the
+    teacher's server check says what is wrong in one line."""
+    from rlcli.models import hub
+
     if student_tokenizer is None:
         return
-    try:
-        from tinker_cookbook import tokenizer_utils
-
-        teacher_tokenizer = tokenizer_utils.get_tokenizer(teacher_model)
-    except Exception:
+    teacher_tokenizer = hub.tokenizer(teacher_model)
+    if teacher_tokenizer is None:
         return
     if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
         raise RlcliError(
@@ -173,7 +175,7 @@ class Opsd(Recipe):
     name = "opsd"
     options = OpsdOptions
     help = "On-policy self-distillation from a prompts file: a teacher's reverse KL, no reward."
-    show = {TEACHER_KL: "kl"}
+    show = {TEACHER_KL_K3: "kl"}
     tokens_key = SAMPLED_TOKENS
 
     def prepare(self, opts: OpsdOptions, stdin=None, dry_run=False) -> tuple[OpsdPlan, list]:
@@ -302,8 +304,7 @@ class Opsd(Recipe):
         distill.score_teachers_with(make_teacher_seam(spec))
         seed_sampling(spec["options"]["seed"])
         asyncio.run(train_on_policy.main(config))
-        series = metric_values(Path(config.log_path), TEACHER_KL)
+        series = metric_values(Path(config.log_path), TEACHER_KL_K3, TEACHER_KL)
         about = {"teacher": spec["options"]["teacher"]}
-        return base.summary_of(
-            config.log_path, about, **base.first_last(series, {"teacher_kl": TEACHER_KL})
-        )
+        names = {"teacher_kl": TEACHER_KL_K3, "teacher_logp_diff": TEACHER_KL}
+        return base.summary_of(config.log_path, about, **base.first_last(series, names))

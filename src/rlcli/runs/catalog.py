@@ -50,7 +50,9 @@ METRICS = {
         ("rlcli/logp_diff_mean:mean", "sampler/trainer |dlogp|"),
     ),
     "dpo": (("dpo_loss", "loss"), ("margin", "margin"), ("accuracy", "accuracy")),
-    "opsd": (("teacher_kl", "kl"),),
+    # kl: the k3 estimate (never negative, compat/distill.py); the cookbook's own mean
+    # log p - log q beside it (and in runs from before rlcli logged k3)
+    "opsd": (("rlcli/teacher_kl_k3", "kl"), ("teacher_kl", "log p - log q")),
     "internalize": (("train_mean_nll", "loss"),),
     "harbor": (("env/all/reward/total", "reward"), ("env/all/test_passed", "passed")),
     "demo": (("rl_reward", "RL reward"), ("sft_loss", "SFT loss")),  # rlcli demo (demo/record.py)

@@ -34,8 +34,9 @@ class StepClock:
         now = time.monotonic() if now is None else now
         if self.first is None:
             self.first = now
-            count -= 1  # the first step's time is part of the start-up
-            self.steps += 1
+            self.steps += count  # the first step's time is part of the start-up; steps seen
+            self.last = now  # with it (a fast run's first rows in one read) give no interval
+            return
         if count > 0:
             self.intervals += [(now - self.last) / count] * count
             self.steps += count

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from rlcli.checkpoint_format import parse_checkpoint_ttl
 from rlcli.models.names import resolve_model_name
 
 
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-sample-tokens", type=int, default=16384)
     parser.add_argument("--max-body-mb", type=_positive_float, default=256.0)
     parser.add_argument("--max-upload-gb", type=_positive_float, default=16.0)
+    parser.add_argument("--checkpoint-ttl", type=_checkpoint_ttl, default="client")
     parser.add_argument("--capture", default=None, help="Capture /v1 exchanges into this folder.")
     parser.add_argument("--capture-tinker", action="store_true")
     parser.add_argument("--capture-redact", action="store_true")
@@ -57,6 +59,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     sys.exit(app.state.exit_code)  # non-zero when the engine died: supervisors restart us
+
+
+def _checkpoint_ttl(text: str) -> str:
+    try:
+        parse_checkpoint_ttl(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _positive_int(text: str) -> int:

@@ -12,6 +12,9 @@ padded decode step ~50 ms less (``docs/server-engine.md``, "Sampling").
 documented ``AttentionInterface`` (masks built exactly as for ``sdpa``) and switches a CPU
 model that runs ``sdpa`` to it. Anything else (another device, no mask, no grouping) goes to
 transformers' own function unchanged.
+
+Both paths run inside ``activations.exact()``: in a bf16 CPU engine's training forward,
+attention keeps its float32 inputs for the backward (``activations.py`` says why).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from rlcli.server.engine import activations
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +44,16 @@ def grouped_sdpa_forward(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     grouped = getattr(module, "num_key_value_groups", 1) > 1
-    if attention_mask is None or not grouped or query.device.type != "cpu":
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-        enable_gqa=True,
-    )  # fmt: skip
+    with activations.exact():  # queries and keys stay float32 for the backward
+        if attention_mask is None or not grouped or query.device.type != "cpu":
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                **kwargs,
+            )  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+            enable_gqa=True,
+        )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 

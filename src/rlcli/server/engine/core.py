@@ -110,8 +110,13 @@ class Engine(Training):
         self.model.requires_grad_(False)
         # bf16 matmuls, float32 results: a LoRA update is not rounded away (precision.py)
         precision.mixed_precision(self.model)
-        if self.device.type == "cpu":
-            attention.use_grouped_sdpa(self.model)
+        # a bf16 CPU engine keeps bf16 copies of what its backward reads; attention's own
+        # inputs stay float32, which the grouped attention sees to (activations.py)
+        self._compact_activations = (
+            self.device.type == "cpu"
+            and attention.use_grouped_sdpa(self.model)
+            and self.dtype == torch.bfloat16
+        )
         self._checkpoint_above = checkpoint_above(
             grad_checkpointing, self.device, self.microbatch_tokens
         )

@@ -66,10 +66,15 @@ class Hypernets:
     def _layers(self):
         return self.engine.model.model.layers
 
-    def shape(self) -> dict[str, int]:
+    def shape(self, lora_layers: int = 0) -> dict[str, int]:
+        """The base model's sizes; the LoRA on its last ``lora_layers`` layers (0: all). Fewer
+        layers make training cheaper: the backward pass stops below the first adapted one."""
         config = self.engine.model.config
+        total = int(config.num_hidden_layers)
+        n = total if not lora_layers else min(lora_layers, total)
         return {
-            "n_layers": int(config.num_hidden_layers),
+            "n_layers": n,
+            "first_layer": total - n,
             "hidden": int(config.hidden_size),
             "d_in": int(config.intermediate_size),
         }
@@ -78,7 +83,9 @@ class Hypernets:
     def create(self, hypernet_id: str, settings: dict[str, Any], seed: int | None) -> dict:
         if hypernet_id in self.training:
             raise UserError(f"hypernet_id {hypernet_id!r} already exists")
-        config = HypernetConfig(base_model=self.engine.base_model, **self.shape(), **settings)
+        settings = dict(settings)
+        shape = self.shape(int(settings.pop("lora_layers", 0) or 0))
+        config = HypernetConfig(base_model=self.engine.base_model, **shape, **settings)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed if seed is not None else time.time_ns() % 2**31)
             net = Hypernet(config).to(self.engine.device)
@@ -105,12 +112,13 @@ class Hypernets:
                 f"examples: a document is longer than {net.config.chunk_tokens} tokens; "
                 "training takes one chunk per document"
             )
-        features, mask = self._features([d[0] for d in docs])
+        first = net.config.first_layer
+        features, mask = self._features([d[0] for d in docs], first)
         net.train(train)
         with torch.set_grad_enabled(train):
             a, b = net(features, mask)
             a, b = a.float(), b.float()
-            ce, tokens = self._answer_loss(examples, a, b, net.scaling)
+            ce, tokens = self._answer_loss(examples, a, b, net.scaling, first)
             penalty = net.weight_l1(a, b)
             loss = ce + l1 * penalty
         if train:
@@ -137,7 +145,9 @@ class Hypernets:
             "seconds": time.perf_counter() - started,
         }
 
-    def _answer_loss(self, examples: list[dict], a, b, scale) -> tuple[torch.Tensor, int]:
+    def _answer_loss(self, examples: list[dict], a, b, scale, first) -> tuple[torch.Tensor, int]:
+        """The answers' mean cross-entropy with each row's LoRA on; the output layer runs on
+        the answer positions only (SmolLM2's 49k-word head on every token was half a step)."""
         rows = [self._qa_ids(e["question"], e["answer"]) for e in examples]
         width = max(len(ids) for ids, _ in rows)
         pad = self.engine.pad_id
@@ -149,23 +159,23 @@ class Hypernets:
             attn[i, : len(seq)] = 1
             targets[i, start - 1 : len(seq) - 1] = torch.tensor(seq[start:])
         device = self.engine.device
-        with self._lora(a, b, scale):
-            logits = self.engine.model(
+        with self._lora(a, b, scale, first):
+            hidden = self.engine.model.model(
                 input_ids=ids.to(device), attention_mask=attn.to(device)
-            ).logits.float()
-        targets = targets.to(device)
-        ce = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
-        )
-        return ce, int((targets != -100).sum())
+            ).last_hidden_state
+        where = (targets != -100).to(device)
+        head = self.engine.model.get_output_embeddings()
+        logits = head(hidden[where]).float()
+        ce = torch.nn.functional.cross_entropy(logits, targets.to(device)[where])
+        return ce, int(where.sum())
 
-    def _lora(self, a: torch.Tensor, b: torch.Tensor, scale: float):
+    def _lora(self, a: torch.Tensor, b: torch.Tensor, scale: float, first: int):
         """A context in which the base model's down_proj of layer i adds row j's LoRA
         (``a[j, i]``, ``b[j, i]``) to row j of the batch."""
         import contextlib
 
         self.engine._activate(None)  # every adapter off: the base model
-        layers = self._layers()
+        layers = self._layers()[first : first + a.shape[1]]
 
         def hook(i):
             def add(module, inputs, output):
@@ -221,9 +231,9 @@ class Hypernets:
         return prompt_ids + answer_ids + end, len(prompt_ids)
 
     @torch.no_grad()
-    def _features(self, chunks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer's output states of each chunk from the frozen base model: ([chunks,
-        layers, tokens, hidden], mask [chunks, tokens])."""
+    def _features(self, chunks: list[list[int]], first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adapted layers' (from ``first`` on) output states of each chunk, from the
+        frozen base model: ([chunks, layers, tokens, hidden], mask [chunks, tokens])."""
         self.engine._activate(None)
         width = max(len(c) for c in chunks)
         ids = torch.full((len(chunks), width), self.engine.pad_id, dtype=torch.long)
@@ -235,7 +245,7 @@ class Hypernets:
         out = self.engine.model.model(
             input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True
         )
-        states = torch.stack(out.hidden_states[1:], dim=1).float()
+        states = torch.stack(out.hidden_states[1 + first :], dim=1).float()
         return states, mask.to(device)
 
     # ---- checkpoints --------------------------------------------------------------------------
@@ -278,7 +288,7 @@ class Hypernets:
         config = HypernetConfig.from_dict(record["config"])
         if (
             config.base_model != self.engine.base_model
-            or config.n_layers != self.shape()["n_layers"]
+            or config.first_layer + config.n_layers != self.shape()["n_layers"]
         ):
             raise UserError(
                 f"hypernet: {path} was trained on {config.base_model}; this server's base model "
@@ -320,7 +330,7 @@ class Hypernets:
         started = time.perf_counter()
         chunks = self._document_ids(document, net.config, "document")
         with torch.no_grad():
-            features, mask = self._features(chunks)
+            features, mask = self._features(chunks, net.config.first_layer)
             a, b = merge_chunks(*net(features, mask))
         rank = a.shape[1]
         # The scale is folded into B (alpha = rank: peft's scale is 1), so the chunks' summed
@@ -328,10 +338,14 @@ class Hypernets:
         b = b * net.scaling
         state = {}
         for i in range(net.config.n_layers):
-            prefix = f"base_model.model.model.layers.{i}.mlp.{TARGET}"
+            prefix = f"base_model.model.model.layers.{net.config.first_layer + i}.mlp.{TARGET}"
             state[f"{prefix}.lora_A.weight"] = a[i].float().cpu().contiguous()
             state[f"{prefix}.lora_B.weight"] = b[i].T.float().cpu().contiguous()
-        config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=[TARGET])
+        layers = list(range(net.config.first_layer, net.config.first_layer + net.config.n_layers))
+        config = LoraConfig(
+            r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=[TARGET],
+            layers_to_transform=None if net.config.first_layer == 0 else layers,
+        )  # fmt: skip
         facts = {
             "tokens": sum(len(c) for c in chunks),
             "chunks": len(chunks),

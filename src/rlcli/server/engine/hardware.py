@@ -9,11 +9,13 @@ from pathlib import Path
 import torch
 
 # Padded tokens per forward/backward pass: bounds activation memory (a 30-layer 135M model
-# holds about 2.7 MB per token for the backward pass without gradient checkpointing, about
-# 0.1 MB with it). A GPU checkpoints and takes the ceiling; a CPU does not checkpoint and takes
-# the floor in float32, in bf16 what half its free memory holds (pick_microbatch_tokens).
+# holds about 2.7 MB per token for the backward pass in float32 without gradient
+# checkpointing, about half in bf16 (``activations.py``), about 0.1 MB with it). A GPU
+# checkpoints and takes the ceiling; a CPU does not checkpoint and takes the floor in float32,
+# ``CPU_BF16_MICROBATCH_TOKENS`` in bf16 (pick_microbatch_tokens).
 MICROBATCH_TOKENS = 4096  # the default's ceiling
 MIN_CPU_MICROBATCH_TOKENS = 512  # the CPU default's floor: an RL prompt and a 256-token answer
+CPU_BF16_MICROBATCH_TOKENS = 1024
 
 
 def pick_device(device: str) -> torch.device:
@@ -49,12 +51,12 @@ def pick_microbatch_tokens(
     """``--microbatch-tokens``, or the device's default.
 
     A GPU: ``MICROBATCH_TOKENS``, every micro-batch checkpointed (``checkpoint_above``). A
-    CPU does not checkpoint. In bf16 it takes the most tokens, up to ``MICROBATCH_TOKENS`` in
-    steps of 512, whose activations (``token_bytes`` each, ``activation_bytes_per_token``)
-    fit in half of ``spare_bytes`` (memory free with the model loaded), and at least
-    ``MIN_CPU_MICROBATCH_TOKENS``: AMX's bf16 matmuls run much faster with more rows
-    (SmolLM2, a forward_backward of 8 RL rows of ~310 tokens: 11.8 s in micro-batches of 512
-    tokens, 8.2 s of 2048, 7.2-7.5 s of 4096, at 3.0, 6.5 and 8.0 GB). In float32 it takes
+    CPU does not checkpoint. In bf16 it takes ``CPU_BF16_MICROBATCH_TOKENS``, or fewer where
+    their activations (``token_bytes`` each, ``activation_bytes_per_token``) would not fit in
+    half of ``spare_bytes`` (memory free with the model loaded), in steps of 512 and at least
+    ``MIN_CPU_MICROBATCH_TOKENS``. A fixed size, not what free memory allows: the step's peak
+    is then the same on every machine (SmolLM2's 8 x 256-token SFT step peaked at 5.7 GB in
+    the 4096-token micro-batches a large machine gave it). In float32 it takes
     ``MIN_CPU_MICROBATCH_TOKENS``: there 4096 gained ~1.1x (13.2 vs 11.8 s) for twice the
     memory."""
     if tokens is not None:
@@ -66,7 +68,7 @@ def pick_microbatch_tokens(
     if dtype == torch.float32:
         return MIN_CPU_MICROBATCH_TOKENS
     fits = spare_bytes // 2 // max(token_bytes, 1)
-    return int(min(MICROBATCH_TOKENS, max(MIN_CPU_MICROBATCH_TOKENS, fits // 512 * 512)))
+    return int(min(CPU_BF16_MICROBATCH_TOKENS, max(MIN_CPU_MICROBATCH_TOKENS, fits // 512 * 512)))
 
 
 def activation_bytes_per_token(config) -> int:

@@ -33,7 +33,8 @@ class HypernetConfig:
     """The shape of one hypernetwork; saved with it, and what binds it to its base model."""
 
     base_model: str
-    n_layers: int  # the base model's decoder layers (one LoRA layer each)
+    n_layers: int  # the decoder layers it adapts (one LoRA each): the last n of the model
+    first_layer: int  # the first of them (0: every layer)
     hidden: int  # the base model's hidden size: the features read, and down_proj's output
     d_in: int  # down_proj's input (the MLP's intermediate size)
     rank: int = 8  # LoRA rank per chunk

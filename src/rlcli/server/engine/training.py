@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rlcli.server.engine import finite, logprobs, losses, shared_prefix
+from rlcli.server.engine import activations, finite, logprobs, losses, shared_prefix
 from rlcli.server.errors import UserError
 from rlcli.server.wire import DatumArrays
 
@@ -57,6 +57,7 @@ class Training:
     share_prefixes: bool
     adapters: dict[str, Adapter]
     _split_head: bool
+    _compact_activations: bool
     _checkpoint_above: float
     _checkpoint_layers: list[torch.nn.Module]
 
@@ -90,6 +91,13 @@ class Training:
         finally:
             for layer in layers:
                 layer.training = False
+
+    def _keeping(self) -> contextlib.AbstractContextManager:
+        """Around a training forward: what it saves for the backward kept as bf16 copies
+        where the engine computes in bf16 on a CPU (``activations.py``)."""
+        if not (self._compact_activations and torch.is_grad_enabled()):
+            return contextlib.nullcontext()
+        return activations.compact(activations.model_storages(self.model))
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states -> logits, as the model's own forward computes them (the output
@@ -302,13 +310,14 @@ class Training:
         targets = targets.flatten(2) if targets.dim() > 2 else targets
         packing = packed_attention(batch, width, dev)
         if value_head is not None:
-            with self._checkpointing(tokens.numel()):
+            with self._checkpointing(tokens.numel()), self._keeping():
                 hidden = self._hidden_states(tokens, packing)[mask]
             picked = value_head(hidden.float()).squeeze(-1)
         elif shared is not None and any(slot >= 0 for slot, _ in shared):
-            picked = self._shared_logprobs(tokens, mask.sum(1), targets, shared)
+            with self._keeping():
+                picked = self._shared_logprobs(tokens, mask.sum(1), targets, shared)
         else:
-            with self._checkpointing(tokens.numel()) as recompute:
+            with self._checkpointing(tokens.numel()) as recompute, self._keeping():
                 if self._split_head:
                     hidden, head = self._hidden_states(tokens, packing), self.head_logits
                 else:  # right-padded: see _hidden_states

@@ -45,6 +45,7 @@ class CreateHypernet(Body):
     alpha: Annotated[float, Field(gt=0)] = 16.0
     chunk_tokens: Annotated[int, Field(ge=8, le=8192)] = 512
     max_chunks: Annotated[int, Field(ge=1, le=64)] = 8
+    lora_layers: Annotated[int, Field(ge=0, le=4096)] = 0  # the last N layers (0: all)
 
 
 class Example(Body):

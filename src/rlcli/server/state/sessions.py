@@ -19,7 +19,8 @@ from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
 
-from rlcli.home import rlcli_home
+from rlcli import checkpoint_format
+from rlcli.home import checkpoints_dir
 from rlcli.models.names import resolve_model_name
 from rlcli.server.engine import ops
 from rlcli.server.state.aliases import Aliases
@@ -55,6 +56,11 @@ class Settings:
     capture_tinker: bool = False  # capture Tinker asample requests too
     capture_redact: bool = False  # redact each record before it is written
     capture_max_mb: float = 256.0  # a capture file's size before the next one starts
+    checkpoint_ttl: str = "client"  # --checkpoint-ttl (checkpoint_format.parse_checkpoint_ttl)
+
+    @property
+    def checkpoint_ttl_rule(self) -> str | float:
+        return checkpoint_format.parse_checkpoint_ttl(self.checkpoint_ttl)
 
     @property
     def max_body_bytes(self) -> int:
@@ -124,7 +130,7 @@ class ServerState:
         # Training clients of finished sessions: asked for again, they answer 410, not 404.
         self.finished_models: OrderedDict[str, str] = OrderedDict()
         self.archives: dict[str, tuple[Path, float]] = {}  # download token -> (name, expiry)
-        self.checkpoints_root = Path(settings.checkpoints_dir or rlcli_home() / "checkpoints")
+        self.checkpoints_root = Path(settings.checkpoints_dir or checkpoints_dir())
         self.capture: Capture | None = None
         if settings.capture is not None:  # CaptureError: one line, before anything starts
             self.capture = Capture(

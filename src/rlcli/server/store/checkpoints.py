@@ -73,31 +73,10 @@ def parse_tinker_path(path: str) -> CheckpointRef:
 # ---- reading --------------------------------------------------------------------------------
 
 
-def read_meta(version: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((version / "checkpoint.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _expired(meta: dict[str, Any], now: float | None = None) -> bool:
-    expires = meta.get("expires_at")
-    return expires is not None and expires <= (now or time.time())
-
-
-def resolve(folder: Path) -> Path | None:
-    """The complete, unexpired version folder a checkpoint name points to, or None.
-
-    Read everything of one checkpoint from the returned folder: the name may be re-pointed
-    at any moment, the version folder stays whole while it is in use."""
-    try:
-        version = Path(os.path.realpath(folder))
-    except OSError:
-        return None
-    meta = read_meta(version) if version.is_dir() else None
-    if meta is None or _expired(meta):
-        return None
-    return version
+# Reading a version is shared with ``export`` (which reads them with no server running).
+read_meta = checkpoint_format.read_meta
+_expired = checkpoint_format.expired
+resolve = checkpoint_format.resolve
 
 
 def write_run(root: Path, run_id: str, record: dict[str, Any]) -> None:

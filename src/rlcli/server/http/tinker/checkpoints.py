@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, HTTPException
 
+from rlcli.checkpoint_format import expires_at
 from rlcli.server.engine import ops
 from rlcli.server.http.tinker import generations
 from rlcli.server.http.tinker.schemas import (
@@ -169,7 +170,8 @@ def _checkpoint(
         "tinker_path": ref.tinker_path,
         "training_run_id": record.model_id,
         "base_model": record.base_model,
-        "expires_at": time.time() + ttl_seconds if ttl_seconds else None,
+        # --checkpoint-ttl: what the client asked, never, or the server's own time
+        "expires_at": expires_at(state.settings.checkpoint_ttl_rule, ttl_seconds, time.time()),
         "public": False,
     }
 
