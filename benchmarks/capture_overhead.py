@@ -8,6 +8,10 @@ A round is ``--clients`` clients at once, each asking one chat answer of exactly
 tokens (``ignore_eos``) that contains an email and a phone number (so ``--redact`` has work);
 throughput is the round's completion tokens over its wall time. The ratio is the median of
 capture's rounds over the median of capture-off's. Target (issue 43): under 3% overhead.
+On a shared machine the rounds' spread can dwarf 3%, so the receipt also has what the writer
+thread costs per record, measured alone in this process on the records just captured
+(``writer_ms_per_record``: serialize + append, and with redaction), beside the mean request
+latency it would be added to.
 At the end every captured line is counted (all requests are there) and the redacted files
 are checked to hold no planted value.
 
@@ -61,6 +65,22 @@ def _round(base_url: str, model: str, clients: int, tokens: int, seed: int) -> d
     return {"wall_s": wall, "tokens": sum(results), "tokens_per_s": sum(results) / wall}
 
 
+def writer_cost(records: list[dict], folder: Path) -> dict:
+    """Milliseconds of the capture writer's work per record (what the thread does beside the
+    endpoint), plain and with --redact, on these records."""
+    from rlcli.server.state.capture import Capture
+
+    out = {}
+    for name, redact in (("capture", False), ("capture_redact", True)):
+        capture = Capture(folder / name, redact=redact)
+        t0 = time.perf_counter()
+        for record in records:
+            capture._write(dict(record))
+        out[name] = 1000 * (time.perf_counter() - t0) / len(records)
+        capture.close()
+    return out
+
+
 def _server_args(name: str, folder: Path) -> list[str]:
     args = []
     if "--capture" in CONFIGS[name]:
@@ -92,6 +112,8 @@ def run(model: str, rounds: int, clients: int, tokens: int) -> dict:
         for name in ("capture", "capture_redact"):
             text = "".join(p.read_text() for p in sorted((folder / name).glob("traces-*.jsonl")))
             lines = [json.loads(line) for line in text.splitlines()]
+            if name == "capture":
+                writer = writer_cost(lines, Path(tmp) / "writer")
             captured[name] = {
                 "lines": len(lines),
                 "expected": clients * (rounds + 1),
@@ -106,6 +128,10 @@ def run(model: str, rounds: int, clients: int, tokens: int) -> dict:
         "ratio_vs_off": {name: medians[name] / medians["off"] for name in CONFIGS},
         "overhead_percent": {name: 100 * (1 - medians[name] / medians["off"]) for name in CONFIGS},
         "captured": captured,
+        "writer_ms_per_record": writer,
+        "mean_request_latency_s": statistics.fmean(
+            r["latency_s"] for r in lines if "latency_s" in r
+        ),
     }
 
 

@@ -42,6 +42,11 @@ def matches(reply: str, answer: str) -> bool:
     return bool(words) and words[0] == normalize(answer)
 
 
+def mentions(reply: str, answer: str) -> bool:
+    """Looser than ``matches``: the answer anywhere in the reply ("Kalo lives in Paris.")."""
+    return normalize(answer) in normalize(reply).split()
+
+
 def prompt_ids(tok, question: str, document: str | None = None) -> list[int]:
     content = f"{document}\n\n{question}" if document else question
     text = tok.apply_chat_template(
@@ -119,9 +124,11 @@ def learning(args, model: str, tmp: str) -> dict:
                 ),
             }
             correct = {k: matches(v, row["answer"]) for k, v in replies.items()}
-            rows.append({**row, "replies": replies, "correct": correct})
+            mentioned = {k: mentions(v, row["answer"]) for k, v in replies.items()}
+            rows.append({**row, "replies": replies, "correct": correct, "mentioned": mentioned})
     arms = rows[0]["correct"].keys()
     accuracy = {k: sum(r["correct"][k] for r in rows) / len(rows) for k in arms}
+    mentioned = {k: sum(r["mentioned"][k] for r in rows) / len(rows) for k in arms}
     return {
         "model": model,
         "hypernet": {
@@ -135,6 +142,7 @@ def learning(args, model: str, tmp: str) -> dict:
         "held_out_loss_before": before,
         "held_out_loss_after": after,
         "exact_match": accuracy,
+        "answer_in_reply": mentioned,
         "chance": 1 / 8,
         "held_out_documents": len(held),
         "internalize_engine_s": _receipt.summary(seconds),

@@ -112,7 +112,7 @@ async def ask_all(service, render, model: str, jobs: list[tuple]) -> list[str]:
 
     async def one(path, question, document):
         async with semaphore:
-            return await answer(clients[path], render, question, document, 12)
+            return await answer(clients[path], render, question, document, 24)
 
     return await asyncio.gather(*(one(*job) for job in jobs))
 
@@ -121,11 +121,15 @@ POLICIES = ("base", "in_context", "internalized", "control")
 
 
 async def ask_facts(service, render, model, facts, text, adapter, control) -> list[dict]:
-    """Every fact's held-out question, answered by each of ``POLICIES``, scored."""
+    """Every fact's held-out question, answered by each of ``POLICIES``, scored. ``control``:
+    another adapter's sampler path (empty context), or ``(None, text)``: the base model with
+    an unrelated text in its context."""
+    control_path, control_text = control if isinstance(control, tuple) else (control, None)
     jobs = []
     for fact in facts:
         q = fact["question"]
-        jobs += [(None, q, None), (None, q, text), (adapter, q, None), (control, q, None)]
+        jobs += [(None, q, None), (None, q, text), (adapter, q, None)]
+        jobs.append((control_path, q, control_text))
     said = await ask_all(service, render, model, jobs)
     rows = []
     for j, fact in enumerate(facts):
@@ -195,6 +199,50 @@ def write_receipt(args, results: list[dict], final: bool) -> None:
     print(_receipt.write(args.name, payload), flush=True)
 
 
+def score_runs(args, model: str, docs: list) -> None:
+    """``--score-runs``: score runs this script started (their folders, in document order) on
+    the server that trained them (``--base-url``), e.g. after the benchmark was stopped before
+    its evaluation. The control is another run's adapter, or with one run the base model with
+    an unrelated text in its context."""
+    import tinker
+    from tinker_cookbook import renderers
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+    from rlcli.client.context_distill import Renderer
+    from rlcli.compat.renderer_choice import resolve_renderer
+    from rlcli.recipes.internalize import UNRELATED
+
+    name, _, _ = resolve_renderer(model, None)
+    render = Renderer(renderers.get_renderer(name, get_tokenizer(model)))
+    service = tinker.ServiceClient(base_url=args.base_url)
+    adapters, results = [], []
+    for run in args.score_runs:
+        rows = [json.loads(line) for line in (Path(run) / "checkpoints.jsonl").open()]
+        adapters.append(next(r["sampler_path"] for r in reversed(rows) if r.get("final")))
+    for i, run in enumerate(args.score_runs):
+        text, facts = docs[i]
+        control = adapters[(i + 1) % len(adapters)] if len(adapters) > 1 else (None, UNRELATED)
+        rows = asyncio.run(ask_facts(service, render, model, facts, text, adapters[i], control))
+        record = json.loads((Path(run) / "rlcli_run.json").read_text())
+        receipt = json.loads((Path(run) / "receipt.json").read_text())
+        results.append(
+            {
+                "document": i,
+                "facts": len(facts),
+                "words": len(text.split()),
+                "seconds": record["ended"] - record["started"],
+                "command_receipt": receipt["scores"],
+                "control": "another document's adapter"
+                if len(adapters) > 1
+                else "the base model with an unrelated text in its context",
+                "scores": {k: sum(r["correct"][k] for r in rows) / len(rows) for k in POLICIES},
+                "questions": rows,
+            }  # fmt: skip
+        )
+        print(f"document {i}: {results[i]['scores']}", flush=True)
+    write_receipt(args, results, final=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--facts", default="5,8,10,15,20", help="facts per document")
@@ -207,6 +255,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--model-dir", default="/work/tmp/internalize/smollm2")
     parser.add_argument("--name", default="internalize_smollm2")
+    parser.add_argument("--score-runs", nargs="+", help="score these runs only (see score_runs)")
+    parser.add_argument("--base-url", help="with --score-runs: the server that trained them")
     args = parser.parse_args()
     _receipt.exit_on_sigterm()
 
@@ -228,6 +278,9 @@ def main() -> None:
     fillers = [int(x) for x in args.filler.split(",")]
     pairs = zip(counts, fillers, strict=True)
     docs = [make_document(n, w, seed) for seed, (n, w) in enumerate(pairs)]
+    if args.score_runs:
+        score_runs(args, model, docs)
+        return
     tmp = Path(tempfile.mkdtemp(prefix="internalize-bench-"))
     results: list[dict] = []
     with _receipt.local_server(model, tmp, dtype=args.dtype) as record:

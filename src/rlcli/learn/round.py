@@ -43,9 +43,11 @@ from rlcli.learn.folder import (
     TRAINED,
     learn_dir,
     rounds,
-)  # fmt: skip
+)
 from rlcli.learn.report import plot
 from rlcli.learn.traces import Trace, read_traces
+
+SAVE_EVERY = 2  # steps between a round's training checkpoints: a crash loses at most these
 
 
 class NotEnoughTraces(RlcliError):
@@ -156,7 +158,12 @@ def _plan(opts: LearnOptions, served: dict, say) -> dict:
             f"{opts.min_traces} (--min-traces) and one with a correction or a good verdict"
         )
     method = _method(opts, usable)
-    rows = [{"messages": [*t.prompt, {"role": "assistant", "content": t.target}]} for t in usable]
+    rows = _rows(method, usable)
+    if not rows:
+        raise NotEnoughTraces(
+            f"learn --alias {opts.alias} --method dpo: no trace with a correction that differs "
+            "from the served answer to make a pair of"
+        )
     number = len(rounds(opts.alias)) + 1
     plan = {
         "round": number,
@@ -167,7 +174,7 @@ def _plan(opts: LearnOptions, served: dict, say) -> dict:
             "new": len(new),
             "train": len(train),
             "held_out": len(held),
-            "trained_on": len(usable),
+            "trained_on": len(rows),
             "skipped": dict(found.skipped),
             "already_used": len(found.traces) - len(new),
         },
@@ -179,7 +186,7 @@ def _plan(opts: LearnOptions, served: dict, say) -> dict:
         "_rows": rows,
     }
     say(
-        f"round {number}: {len(new)} new judged traces: {len(usable)} to train on ({method}), "
+        f"round {number}: {len(new)} new judged traces: {len(rows)} to train on ({method}), "
         f"{len(held)} held out; alias {opts.alias} serves {served['checkpoint']}"
     )
     return plan
@@ -188,10 +195,21 @@ def _plan(opts: LearnOptions, served: dict, say) -> dict:
 def _method(opts: LearnOptions, usable: list[Trace]) -> str:
     if opts.method in ("auto", "sl"):
         return "sl"  # corrections and answers judged good: supervised rows
+    if opts.method == "dpo":
+        return "dpo"  # a correction preferred to the answer it corrected
     raise RlcliError(
-        f"--method {opts.method}: this version of learn trains with sl (corrections and answers "
-        "judged good); dpo and rl rounds are not built yet"
+        f"--method {opts.method}: learn trains with sl (corrections and answers judged good) "
+        "or dpo (corrections against the answers they corrected); rl rounds are not built yet"
     )
+
+
+def _rows(method: str, usable: list[Trace]) -> list[dict]:
+    if method == "sl":
+        return [{"messages": [*t.prompt, {"role": "assistant", "content": t.target}]}
+                for t in usable]  # fmt: skip
+    return [{"prompt": t.prompt, "chosen": [{"role": "assistant", "content": t.target}],
+             "rejected": [{"role": "assistant", "content": t.answer}]}
+            for t in usable if gate.normalize(t.target) != gate.normalize(t.answer)]  # fmt: skip
 
 
 def _keep(t: Trace) -> dict:
@@ -249,31 +267,30 @@ def _finish(opts: LearnOptions, url: str, folder: Path, say) -> dict:
 
 
 def _train(opts: LearnOptions, url: str, folder: Path, plan: dict, say) -> dict:
+    """``train sl`` (or ``train dpo``) in the round's run folder, from the alias's state; a
+    rerun after a crash resumes that folder, so no step is trained twice."""
     from rlcli import recipes
     from rlcli.recipes import flow
+    from rlcli.recipes.dpo import DPOOptions
     from rlcli.recipes.sl import SLOptions
 
     started = time.time()
     rows = plan["traces"]["trained_on"]
-    sl = SLOptions(
-        model=plan["current"]["base_model"],
-        dataset=str(folder / TRAIN),
-        base_url=url,
-        batch_size=min(opts.batch_size, rows),
-        epochs=opts.epochs,
-        lr=opts.lr,
-        lora_rank=opts.lora_rank,
-        seed=opts.seed,
-        save_every=0,
-        log_path=str(folder / "run"),
-        init_checkpoint=plan["current"].get("state"),
-        train_on="last",
-    )
+    common = dict(
+        model=plan["current"]["base_model"], dataset=str(folder / TRAIN), base_url=url,
+        batch_size=min(opts.batch_size, rows), epochs=opts.epochs, lr=opts.lr,
+        lora_rank=opts.lora_rank, seed=opts.seed, save_every=SAVE_EVERY,
+        log_path=str(folder / "run"), init_checkpoint=plan["current"].get("state"),
+    )  # fmt: skip
+    if plan["method"] == "dpo":
+        options = DPOOptions(**common)
+    else:
+        options = SLOptions(**common, train_on="last")
     say(
-        f"round {plan['round']}: training from "
+        f"round {plan['round']}: training ({plan['method']}) from "
         f"{plan['current'].get('state') or 'the base model'} ({rows} rows)"
     )
-    outcome = flow.train(recipes.get("sl"), sl, say=say)
+    outcome = flow.train(recipes.get(plan["method"]), options, say=say)
     summary = outcome.summary or {}
     if not summary.get("sampler_path"):
         raise RlcliError(f"round {plan['round']}: training saved no sampler checkpoint")

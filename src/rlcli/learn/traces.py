@@ -1,9 +1,10 @@
 """Judged traces -> what one learning round uses: the prompt, the served answer, the verdict,
 and the answer a right reply should give (a correction, or the answer itself when judged good).
 
-Rows are what ``rlcli import -f langsmith|langfuse|otel`` writes (``messages`` ending in the
+Rows are what ``rlcli import -f langsmith|langfuse|otel`` and ``traces export --as judged``
+write, or a capture folder itself (``serve start --capture``): ``messages`` ending in the
 judged assistant turn, ``feedback`` entries with LangSmith's names, ``origin`` naming the
-trace); a row's id is its origin's trace and call ids (or its ``id``), so the held-out split
+trace. A row's id is its origin's trace and call ids (or its ``id``), so the held-out split
 (a hash of the id) is the same in every round. Rows without a verdict are not judged and
 wait; a row that is not a conversation ending in an answer is counted, not used.
 """
@@ -13,9 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlcli import trace_format
 from rlcli.errors import RlcliError
 from rlcli.files.jsonl import read_jsonl
 
@@ -47,10 +50,9 @@ class Found:
 def read_traces(paths: list[str]) -> Found:
     """Every judged trace in ``paths`` (JSONL files or folders of them), first one per id."""
     found, seen = Found(), set()
-    for path in _files(paths):
-        rows, _ = read_jsonl(path)  # whole lines only: a capture file may be growing
+    for where, rows in _sources(paths):
         for number, row in enumerate(rows, start=1):
-            trace, why = _trace(row, f"{path}:{number}")
+            trace, why = _trace(row, f"{where}:{number}")
             if trace is None:
                 found.skipped[why] += 1
             elif trace.id not in seen:
@@ -59,17 +61,23 @@ def read_traces(paths: list[str]) -> Found:
     return found
 
 
-def _files(paths: list[str]) -> list[Path]:
-    out = []
+def _sources(paths: list[str]) -> Iterator[tuple[str, list[dict]]]:
+    """(where, rows) for each file of import rows; a capture folder (``serve start
+    --capture``) as ``traces export --as judged`` gives it, its verdicts joined to its traces."""
     for given in paths:
         path = Path(given).expanduser()
-        if path.is_dir():
-            out += sorted(p for p in path.rglob("*.jsonl") if p.is_file())
+        if path.is_dir() and trace_format.files(path, trace_format.TRACES):
+            from rlcli.traces import catalog, export
+
+            rows, _ = export.rows(catalog.load(path), "judged")
+            yield str(path), rows
+        elif path.is_dir():
+            for file in sorted(p for p in path.rglob("*.jsonl") if p.is_file()):
+                yield str(file), read_jsonl(file)[0]  # whole lines only: it may be growing
         elif path.is_file():
-            out.append(path)
+            yield str(path), read_jsonl(path)[0]
         else:
             raise RlcliError(f"--traces {given}: no such file or folder")
-    return out
 
 
 def _trace(row, where: str) -> tuple[Trace | None, str]:

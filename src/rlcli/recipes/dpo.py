@@ -50,6 +50,11 @@ class DPOOptions(TrainOptions):
     )
     max_length: int = option(2048, "Truncate each prompt + answer to this many tokens.", min=8)
     epochs: int = option(1, "Passes over the pairs.", min=1)
+    init_checkpoint: str | None = option(
+        None,
+        "Start from this training state's weights (tinker://RUN/weights/NAME); it is the "
+        "reference too.",
+    )
 
 
 @dataclass
@@ -104,6 +109,10 @@ class DPO(Recipe):
         )
         return plan, pairs
 
+    def check_server(self, server, opts: DPOOptions, plan: DPOPlan, report) -> str:
+        server.check_checkpoint(opts.init_checkpoint, "--init-checkpoint", "training")
+        return super().check_server(server, opts, plan, report)
+
     def resolved_fields(self, opts: DPOOptions, plan: DPOPlan, base_url: str) -> dict:
         return {"dataset": plan.dataset_path}
 
@@ -128,6 +137,7 @@ class DPO(Recipe):
         return train_dpo.Config(
             **self.cookbook_kwargs(spec),
             dataset_builder=builder,
+            load_checkpoint_path=opts.get("init_checkpoint"),
             lr_schedule=opts["lr_schedule"],
             num_epochs=opts["epochs"],
             dpo_beta=opts["beta"],
