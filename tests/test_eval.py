@@ -137,7 +137,11 @@ def test_bad_input_is_one_line(tmp_path, server, tiny_model):
         *model, "--env", "arithmetic", "--base-url", server.base_url, "--checkpoint",
         "tinker://no-such-run/sampler_weights/final", where="has no such checkpoint",
     )  # fmt: skip
-    fails(*model, "--env", "arithmetic", "--checkpoint", "final", where="not a checkpoint path")
+    # a bare name may be an alias (rlcli alias): the server is asked, and says it is neither
+    fails(
+        *model, "--env", "arithmetic", "--checkpoint", "final", "--base-url", server.base_url,
+        where="final: not a checkpoint path, and not an alias on",
+    )  # fmt: skip
     fails(*model, "--env", "arithmetic", "--compare", where="--compare: pass --checkpoint")
     harbor = tmp_path / "task"
     harbor.mkdir()

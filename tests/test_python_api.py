@@ -17,7 +17,7 @@ EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
 
 def example_blocks() -> list[str]:
     """The ``python`` code blocks of the doc's Example section, in order."""
-    section = DOC.read_text().split("## Example", 1)[1]
+    section = DOC.read_text().split("## Example", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
