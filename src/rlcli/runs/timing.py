@@ -24,23 +24,26 @@ class StepClock:
         self.last: float | None = None
         self.intervals: list[float] = []  # seconds per step after the first
         self.steps = 0
+        self.looked = self.start  # the runner's previous look at metrics.jsonl
         self.ended: float | None = None
 
     def steps_arrived(self, count: int, now: float | None = None) -> None:
-        """``count`` new steps seen at ``now`` (several at once share the time since the
-        last arrival)."""
-        if count <= 0:
-            return
+        """``count`` new steps seen at ``now``; called at every look, with 0 when none came.
+        Several steps at once share the time since the look before: the first step's arrival
+        ends the start-up, and the steps seen with it finished after the previous look."""
         now = time.monotonic() if now is None else now
-        if self.first is None:
-            self.first = now
-            self.steps += count  # the first step's time is part of the start-up; steps seen
-            self.last = now  # with it (a fast run's first rows in one read) give no interval
-            return
         if count > 0:
-            self.intervals += [(now - self.last) / count] * count
+            if self.first is None:
+                self.first = now
+                # A short run's steps can all arrive in one look: without this share they
+                # would give no interval at all (issue 46: a 3-step calibration then took a
+                # step to be half the start-up, 10x the real step)
+                self.intervals += [(now - self.looked) / count] * (count - 1)
+            else:
+                self.intervals += [(now - self.last) / count] * count
             self.steps += count
-        self.last = now
+            self.last = now
+        self.looked = now
 
     def end(self, now: float | None = None) -> None:
         self.ended = time.monotonic() if now is None else now
