@@ -15,7 +15,7 @@ import logging
 from collections import deque
 from typing import Any
 
-from rlcli.server.engine.core import SAMPLE_ROWS_PER_BATCH
+from rlcli.server.engine.sample_requests import SAMPLE_ROWS_PER_BATCH
 from rlcli.server.engine.sampling import DecodeBatch, SampleJob
 
 log = logging.getLogger("rlcli.engine")

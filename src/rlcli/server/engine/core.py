@@ -2,9 +2,12 @@
 
 ``Engine`` is plain Python over transformers + peft and is usable in-process (the benchmarks
 compare against it); ``process.py`` runs it in its own process behind a queue of typed
-operations (``ops.py``), so the HTTP layer never waits on a forward pass. It computes only:
-the training half is ``training.py`` (gradients and steps through ``finite.py``: no non-finite
-value reaches an adapter), the hardware defaults ``hardware.py``, sampler weights go through
+operations (``ops.py``), so the HTTP layer never waits on a forward pass. It computes only.
+This module loads the model and keeps the adapters (training clients' LoRAs, sampler
+snapshots as peft adapters, which one is on); the rest of ``Engine`` is in parts of their own:
+the training half ``training.py`` (gradients and steps through ``finite.py``: no non-finite
+value reaches an adapter), the sampling half ``sample_requests.py``, checkpoints in and out
+``adapter_states.py``. The hardware defaults are ``hardware.py``, sampler weights go through
 ``samplers.py``, files through ``store/checkpoints.py``.
 """
 
@@ -13,13 +16,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlcli.models.tokenizer import end_of_turn_id
 from rlcli.server.engine import attention, decode_step, fused_lora, losses, precision
+from rlcli.server.engine.adapter_states import AdapterStates
 from rlcli.server.engine.d2l import Hypernets
 from rlcli.server.engine.hardware import (
     activation_bytes_per_token,
@@ -28,12 +31,10 @@ from rlcli.server.engine.hardware import (
     pick_dtype,
     pick_microbatch_tokens,
 )
+from rlcli.server.engine.sample_requests import SampleRequests
 from rlcli.server.engine.samplers import SamplerCache
-from rlcli.server.engine.sampling import DecodeBatch, SampleJob, SampleOutput, decode_all
-from rlcli.server.engine.slot_batch import SlotBatch
 from rlcli.server.engine.training import Adapter, Training
 from rlcli.server.errors import UserError
-from rlcli.server.store import checkpoints
 
 log = logging.getLogger("rlcli.engine")
 
@@ -49,9 +50,6 @@ SPARE_SAMPLER_SLOTS = 4
 # are kept (samplers.py); the others share an LRU of MAX_SNAPSHOTS.
 MAX_SNAPSHOTS = 16
 SNAPSHOTS_PER_CLIENT = 2
-SAMPLE_ROWS_PER_BATCH = 64  # rows (prompt x sample) decoded together
-# A critic's value head in its training checkpoint, beside peft's keys (none starts so).
-VALUE_HEAD_KEY = "rlcli_value_head.weight"
 
 
 def lora_layer_groups(model: torch.nn.Module) -> dict[str, set[str]]:
@@ -77,7 +75,7 @@ def lora_layer_groups(model: torch.nn.Module) -> dict[str, set[str]]:
     return groups
 
 
-class Engine(Training):
+class Engine(Training, AdapterStates, SampleRequests):
     def __init__(
         self,
         base_model: str,
@@ -342,276 +340,8 @@ class Engine(Training):
         self._set_adapter(name)
         return self.peft
 
-    # ---- checkpoints -----------------------------------------------------------------------
-    def _adapter_state(self, name: str) -> dict[str, torch.Tensor]:
-        from peft.utils import get_peft_model_state_dict
-
-        # Only this adapter's LoRA matrices, picked by its name: peft's own filter drops only
-        # the adapters its peft_config lists, and LoRA layers of sampler adapters it no longer
-        # listed reached a checkpoint once (under the suite's xdist runs; cause not found),
-        # which then fit no training client. Not the (frozen) embedding matrix either, which
-        # peft adds with tied embeddings.
-        everything = self.peft.state_dict()
-        owners = {k.split(".lora_")[1].split(".")[1] for k in everything if ".lora_" in k}
-        strays = owners - set(self.peft.peft_config)
-        if strays:
-            log.warning("peft holds LoRA tensors of adapters it does not list: %s", sorted(strays))
-        tagged = f".{name}."
-        full = {k: v for k, v in everything.items() if "lora_" not in k or tagged in k}
-        state = get_peft_model_state_dict(
-            self.peft, state_dict=full, adapter_name=name, save_embedding_layers=False
-        )
-        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-
-    def _training_state(self, name: str) -> dict[str, torch.Tensor]:
-        """What a training checkpoint holds: the LoRA matrices, and a critic's value head."""
-        state = self._adapter_state(name)
-        head = self.adapters[name].value_head
-        if head is not None:
-            state[VALUE_HEAD_KEY] = head.weight.detach().to("cpu", copy=True)
-        return state
-
-    def save_state(
-        self, model_id: str, directory: str, meta: dict, with_optimizer: bool = True
-    ) -> dict:
-        """Write the adapter (PEFT format) and, for exact resumes, its optimizer state."""
-        adapter = self._require(model_id)
-        version = checkpoints.write_adapter(
-            directory,
-            self._training_state(model_id),
-            self.peft.peft_config[model_id],
-            self.base_model,
-            optimizer=adapter.optimizer.state_dict() if with_optimizer else None,
-            meta={**meta, "steps": adapter.steps},
-        )
-        return {"path": meta["tinker_path"], "size_bytes": checkpoints.folder_size(version)}
-
-    def load_state(self, model_id: str, directory: str, optimizer: bool, path: str) -> dict:
-        """Restore a fresh training client from a checkpoint, all of it or nothing.
-
-        Everything is checked before anything changes: the LoRA rank and target modules, every
-        tensor's name and shape, and the optimizer state (loaded into a scratch optimizer)."""
-        from peft.utils import set_peft_model_state_dict
-
-        adapter = self._require(model_id)
-        version = checkpoints.resolve(Path(directory))
-        if version is None:
-            raise UserError(f"path: no checkpoint at {path}")
-        config, state, optim_state = checkpoints.read_adapter(version, optimizer)
-        mine = self.peft.peft_config[model_id]
-        if config.r != adapter.rank:
-            raise UserError(
-                f"path: {path} has LoRA rank {config.r}, this training client has {adapter.rank}"
-            )
-        if set(config.target_modules or ()) != set(mine.target_modules or ()):
-            raise UserError(
-                f"path: {path} adapts {sorted(config.target_modules or ())}, this training "
-                f"client adapts {sorted(mine.target_modules or ())} (train_mlp / train_attn / "
-                "train_unembed differ)"
-            )
-        expected = {k: v.shape for k, v in self._training_state(model_id).items()}
-        got = {k: v.shape for k, v in state.items()}
-        if expected != got:
-            missing = sorted(set(expected) - set(got))[:3]
-            extra = sorted(set(got) - set(expected))[:3]
-            odd = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])[:3]
-            raise UserError(
-                f"path: {path} does not match this training client's adapter "
-                f"(missing {missing}, unexpected {extra}, shape differs {odd})"
-            )
-        if any(not bool(torch.isfinite(v).all()) for v in state.values()):
-            raise UserError(f"path: {path} holds non-finite weights; refusing to load them")
-        if optimizer:
-            if optim_state is None:
-                raise UserError(f"path: {path} holds no optimizer state (a sampler checkpoint?)")
-            scratch = torch.optim.AdamW(adapter.params)
-            try:
-                scratch.load_state_dict(optim_state)
-            except (ValueError, KeyError, RuntimeError) as e:
-                raise UserError(f"path: {path} optimizer state does not fit ({e})") from None
-        with torch.no_grad():
-            head = state.pop(VALUE_HEAD_KEY, None)
-            if head is not None:
-                adapter.value_head.weight.copy_(head)
-            set_peft_model_state_dict(self.peft, state, adapter_name=model_id)
-        adapter.optimizer.zero_grad(set_to_none=True)
-        if optimizer:
-            adapter.optimizer.load_state_dict(optim_state)
-        else:
-            adapter.optimizer.state.clear()
-        return {"path": path, "model_id": model_id}
-
-    def snapshot_sampler(self, model_id: str, key: str, directory: str | None, meta: dict):
-        """Freeze the adapter's current weights as sampler ``key`` (and save them if named)."""
-        if self._require(model_id).value_head is not None:
-            raise UserError(
-                f"model_id {model_id!r} is a critic: it gives values, not tokens, so it has no "
-                "sampler; save_state keeps it"
-            )
-        state = self._adapter_state(model_id)
-        config = self.peft.peft_config[model_id]
-        version = None
-        if directory:
-            version = str(
-                checkpoints.write_adapter(directory, state, config, self.base_model, meta=meta)
-            )
-        self.samplers.put(key, config, state, version, owner=model_id)
-        return {"path": meta.get("tinker_path"), "key": key}
-
-    def _sampler_module(self, key: str | None) -> torch.nn.Module:
-        """The module that samples from ``key``: the base model, or a snapshot as an adapter."""
-        return self._prefill_module(key)[0]
-
-    # ---- sampling ---------------------------------------------------------------------------
-    def sample(self, jobs: list[SampleJob]) -> list[SampleOutput | UserError | Exception]:
-        """Run many sample requests, batched per sampler. Each job gets its output or its own
-        error: a job that fails alone (an expired sampler, a bad value) never fails the others;
-        if a whole batch fails, its jobs are retried one by one to find which."""
-        results: list[Any] = [None] * len(jobs)
-        groups: dict[str | None, list[int]] = {}
-        for i, job in enumerate(jobs):
-            self.add_stops(job)
-            groups.setdefault(job.sampler, []).append(i)
-        for key, indices in groups.items():
-            try:
-                self._sampler_module(key)
-            except Exception as e:
-                for i in indices:
-                    results[i] = e
-                continue
-            for chunk in _row_chunks([jobs[i] for i in indices], indices):
-                outs = self._generate(key, [jobs[i] for i in chunk])
-                for i, out in zip(chunk, outs, strict=True):
-                    results[i] = out
-        return results
-
-    def add_stops(self, job: SampleJob) -> SampleJob:
-        """The model's EOS ids and end of turn end a sample, on top of ``stop`` (unless a
-        tinker>=0.38 client sent ``stop=[]``: no stop at all)."""
-        if job.stop_at_eos:
-            job.stop_tokens = sorted(set(job.stop_tokens) | set(self.eos_ids))
-        return job
-
-    def decode_batch(self, key: str | None) -> DecodeBatch:
-        """An empty batch that starts on sampler ``key``: nothing else may run on the engine
-        until it is empty (``batcher.py`` sees to that). On our decode step (``SlotBatch``)
-        requests of any sampler it ``accepts`` may join it; on transformers' forward only
-        ``key``'s, which is activated now."""
-        if self.decoder is not None and self._step_accepts(key):
-            return SlotBatch(
-                self.decoder,
-                activate=self._prefill_module,
-                lora_weights=self._lora_weights,
-                accepts=self._step_accepts,
-                max_length=self.max_context,
-                device=self.device,
-                pad_id=self.pad_id,
-                decode=self.tokenizer.decode,
-            )
-        module = self._sampler_module(key)
-        batch = DecodeBatch(
-            module, device=self.device, pad_id=self.pad_id, decode=self.tokenizer.decode
-        )
-        batch.key = key
-        return batch
-
-    def _prefill_module(self, key: str | None) -> tuple[torch.nn.Module, str | None]:
-        """The module that prefills for sampler ``key`` and the name its adapter was loaded
-        under (None: the base model)."""
-        if key is None:
-            return self._activate(None), None
-        name = self.samplers.activate(key)
-        self._set_adapter(name)
-        return self.peft, name
-
-    def _step_accepts(self, key: str | None) -> bool:
-        """Whether the decode step can sample ``key``: the base, or a plain LoRA on the
-        projections it knows (no DoRA, no LoRA bias, no embedding or extra modules). A key
-        that fails to load is accepted: its request gets the error when it is prefilled."""
-        if key is None:
-            return True
-        try:
-            name = self.samplers.activate(key)
-        except Exception:  # noqa: BLE001 - answered at prefill
-            return True
-        if name not in self._lora_support:
-            self._lora_support[name] = self._plain_lora(name)
-            if not self._lora_support[name]:
-                log.info("sampler %s: its LoRA needs transformers' forward", key)
-        return self._lora_support[name]
-
-    def _plain_lora(self, name: str) -> bool:
-        from peft.tuners.lora import LoraLayer
-
-        name = self._sampler_slots.get(name, name)  # the peft adapter
-        config = self.peft.peft_config[name]
-        if getattr(config, "use_dora", False) or getattr(config, "lora_bias", False):
-            return False
-        if getattr(config, "modules_to_save", None):
-            return False
-        layers = [
-            m for m in self.peft.modules()
-            if isinstance(m, LoraLayer)
-            and (name in m.lora_A or name in getattr(m, "lora_embedding_A", {}))
-        ]  # fmt: skip
-        return len(layers) == len(self._lora_layers(name))
-
-    def _lora_layers(self, name: str) -> dict:
-        """Peft adapter ``name``'s LoRA layers the decode step knows: {(layer, projection) or
-        "lm_head": the LoraLayer}."""
-        from peft.tuners.lora import LoraLayer
-
-        modules = {
-            (i, proj): getattr(layer.self_attn if proj in decode_step.ATTN else layer.mlp, proj)
-            for i, layer in enumerate(self.model.model.layers)
-            for proj in decode_step.PROJECTIONS
-        }
-        modules[decode_step.HEAD] = self.model.get_output_embeddings()
-        return {
-            where: m for where, m in modules.items()
-            if isinstance(m, LoraLayer) and name in m.lora_A
-        }  # fmt: skip
-
-    def _lora_weights(self, name: str) -> dict:
-        """Peft adapter ``name``'s LoRA as the decode step takes it: {(layer, projection) or
-        "lm_head": (A [r, in], B [out, r] x scaling)}, float32 copies (the adapter may be
-        unloaded while rows still decode with it)."""
-        name = self._sampler_slots.get(name, name)  # the peft adapter
-        return {
-            where: (
-                m.lora_A[name].weight.detach().float().clone(),
-                m.lora_B[name].weight.detach().float() * m.scaling[name],
-            )
-            for where, m in self._lora_layers(name).items()
-        }
-
-    def _generate(self, key: str | None, jobs: list[SampleJob]) -> list[SampleOutput | Exception]:
-        try:
-            return decode_all(self.decode_batch(key), jobs)
-        except Exception as e:
-            if len(jobs) == 1:
-                log.exception("sampling failed")
-                return [e]
-        out: list[SampleOutput | Exception] = []
-        for job in jobs:  # isolate the culprit: the others still get their samples
-            out.extend(self._generate(key, [job]))
-        return out
-
     def _require(self, model_id: str) -> Adapter:
         adapter = self.adapters.get(model_id)
         if adapter is None:
             raise UserError(f"unknown model_id {model_id!r}")
         return adapter
-
-
-def _row_chunks(jobs: list[SampleJob], indices: list[int]) -> list[list[int]]:
-    """Split jobs into batches of at most SAMPLE_ROWS_PER_BATCH rows (a job is never split)."""
-    chunks: list[list[int]] = [[]]
-    rows = 0
-    for job, i in zip(jobs, indices, strict=True):
-        if chunks[-1] and rows + job.num_samples > SAMPLE_ROWS_PER_BATCH:
-            chunks.append([])
-            rows = 0
-        chunks[-1].append(i)
-        rows += job.num_samples
-    return chunks
