@@ -239,7 +239,7 @@ def test_merging_an_adapted_tied_output_layer_leaves_the_input_embedding_alone(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from rlcli.client.export import merge
+    from rlcli.client.merge import merge
 
     config = AutoConfig.from_pretrained(tiny_model)
     config.tie_word_embeddings = True

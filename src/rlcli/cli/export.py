@@ -1,6 +1,7 @@
 """``rlcli export`` (a checkpoint as a PEFT adapter folder or a merged transformers model) and
 ``rlcli restore`` (an exported training state onto another server). Their flags are the fields
-of ``client/export.ExportOptions`` and ``RestoreOptions``; this module only prints.
+of ``client/export.ExportOptions`` and ``client/restore.RestoreOptions``; this module only
+prints.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from pathlib import Path
 
 from rlcli import flags
 from rlcli.cli._output import emit, info
-from rlcli.client.export import ExportOptions, RestoreOptions
+from rlcli.client.export import ExportOptions
+from rlcli.client.restore import RestoreOptions
 from rlcli.errors import RlcliError
 
 
@@ -21,6 +23,7 @@ def export(opts: ExportOptions) -> None:
     DIR/rlcli_export.json records the source; `rlcli restore DIR` moves a --with-optimizer one.
     """
     from rlcli.client import export as exporting
+    from rlcli.client.checkpoint_fetch import human
     from rlcli.runs import catalog
 
     if bool(opts.run) == bool(opts.checkpoint):
@@ -37,7 +40,7 @@ def export(opts: ExportOptions) -> None:
     files = result.pop("files")
     what = "merged model" if opts.merge else "PEFT adapter"
     emit({k: v for k, v in result.items() if k != "server"}, as_json=False, title=what)
-    emit([{"file": f["file"], "size": exporting.human(f["bytes"])} for f in files], as_json=False)
+    emit([{"file": f["file"], "size": human(f["bytes"])} for f in files], as_json=False)
 
 
 def restore(opts: RestoreOptions) -> None:
@@ -46,12 +49,12 @@ def restore(opts: RestoreOptions) -> None:
     The run continues there: `rlcli train sl --log-path RUN --base-url URL` resumes it.
     """
     from rlcli.client import endpoint
-    from rlcli.client import export as exporting
+    from rlcli.client.restore import restore as restore_state
 
     url, source = endpoint.resolve_base_url(opts.base_url)
     endpoint.check_server(url, source=source)
     info(endpoint.describe(url, source))
-    result = exporting.restore(
+    result = restore_state(
         url, Path(opts.folder), overwrite=opts.overwrite, force=opts.force, say=info
     )
     emit(result, as_json=opts.json, title="restored")
