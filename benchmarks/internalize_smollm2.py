@@ -210,7 +210,7 @@ def score_runs(args, model: str, docs: list) -> None:
 
     from rlcli.client.context_distill import Renderer
     from rlcli.compat.renderer_choice import resolve_renderer
-    from rlcli.recipes.internalize import UNRELATED
+    from rlcli.recipes.internalize_child import UNRELATED
 
     name, _, _ = resolve_renderer(model, None)
     render = Renderer(renderers.get_renderer(name, get_tokenizer(model)))
