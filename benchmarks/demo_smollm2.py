@@ -30,6 +30,9 @@ import _receipt  # noqa: E402
 
 
 def main() -> None:
+    if {"-h", "--help"} & set(sys.argv[1:]) and "--" not in sys.argv[1:]:
+        print(__doc__.strip())  # arguments after `--` are the demo's own (`-- --help`: its help)
+        return
     extra = [a for a in sys.argv[1:] if a != "--"]
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "RLCLI_HOME": tmp}  # the hub is tried first, as for anyone

@@ -280,8 +280,13 @@ def test_strict_says_nothing_was_written_and_never_wrote(tmp_path):
         ('{"messages": [{"role": "wizard", "content": "x"}]}', "messages[0]: unknown role"),
         ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
         ('{"messages": [{"role": "user", "content": 5}]}', "messages[0]: content is not text"),
+        ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": null, '
+         '"tool_calls": [{"function": {"arguments": "{}"}}]}]}',
+         "messages[1]: tool_calls must be an assistant's list of function calls"),
+        ('{"tools": [{"type": "function"}], "messages": [{"role": "user", "content": "x"}]}',
+         '"tools" is not a list of function'),
     ],
-)
+)  # fmt: skip
 def test_training_data_validation_names_the_line(line, fragment):
     turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     good = json.dumps({"messages": turns})
@@ -289,3 +294,17 @@ def test_training_data_validation_names_the_line(line, fragment):
         read_conversations([good, line, good], "data.jsonl")
     message = str(excinfo.value)
     assert "data.jsonl: 1 of 3 lines" in message and f"line 2: {fragment}" in message
+
+
+def test_tool_calls_tool_results_and_tools_are_kept_for_training():
+    call = {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    row = {"tools": [{"type": "function", "function": {"name": "f"}}], "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"}]}  # fmt: skip
+    (kept,) = read_conversations([json.dumps(row)], "data.jsonl")
+    assert kept["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}  # fmt: skip
+    assert kept["messages"][2]["tool_call_id"] == "c1"
+    assert kept["tools"] == [{"name": "f", "description": "",
+                              "parameters": {"type": "object", "properties": {}}}]  # fmt: skip

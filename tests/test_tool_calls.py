@@ -18,7 +18,7 @@ import json
 import openai
 import pytest
 
-from conftest import CALL, FINAL, QUESTION, WEATHER, get_weather
+from conftest import CALL, FINAL, QUESTION, WEATHER, cli, get_weather
 from rlcli.server.http.openai.tool_parsers import PARSERS, ToolText, for_template
 
 # ---- parsers ----------------------------------------------------------------------------
@@ -199,3 +199,45 @@ def test_a_template_without_tools_refuses_them_naming_the_field(server, tiny_mod
     assert e.value.body["param"] == "messages[1].role"
     models = client.models.list().data
     assert models[0].model_extra["chat_template"]["tool_parser"] is None
+
+
+def test_train_sl_on_a_file_of_tool_calls_teaches_the_served_model_to_call(
+    client, tools_server, tools_model, tmp_path
+):
+    """What ``rlcli traces export --as sft`` writes (OpenAI's format: calls with their
+    arguments as a string, the tool's result, the tools offered), trained from a file with
+    ``train sl``: the served LoRA then calls the tool; the base model does not."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    row = {
+        "tools": [WEATHER],
+        "messages": [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": get_weather("Paris")},
+                     {"role": "assistant", "content": FINAL}],
+    }  # fmt: skip
+    plain = {
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hi."}]
+    }
+    data = tmp_path / "sft.jsonl"  # one row without calls: a table would give it tool_calls None
+    data.write_text("".join(json.dumps(r) + "\n" for r in [row] * 7 + [plain]))
+    args = ("train", "sl", "--model", str(tools_model), "--dataset", str(data), "--base-url",
+            tools_server.base_url, "--log-path", str(tmp_path / "run"), "--batch-size", "4",
+            "--epochs", "30", "--lr", "5e-3", "--lr-schedule", "constant", "--lora-rank", "16",
+            "--json")  # fmt: skip
+    plan = json.loads(cli(*args, "--dry-run", "--no-estimate").stdout)
+    assert plan["renderer"] == "chat_template", plan  # what the server renders tools with
+    result = cli(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    taught = client.chat.completions.create(
+        model=json.loads(result.stdout)["sampler_path"], messages=QUESTION, tools=[WEATHER],
+        temperature=0, max_tokens=120,
+    )  # fmt: skip
+    (got,) = taught.choices[0].message.tool_calls
+    assert (got.function.name, json.loads(got.function.arguments)) == (
+        "get_weather",
+        {"city": "Paris"},
+    )
+    base = client.chat.completions.create(
+        model=str(tools_model), messages=QUESTION, tools=[WEATHER], temperature=0, max_tokens=120
+    )
+    assert not base.choices[0].message.tool_calls

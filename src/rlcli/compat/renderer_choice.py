@@ -87,3 +87,27 @@ def _agreement(name: str, tokenizer) -> str:
     if difference is None:
         return "; matches the model's chat template exactly"
     return f"; differs from the model's chat template: {difference}"
+
+
+def for_tool_data(name: str, why: str, tokenizer, conversation: dict) -> tuple[str, str]:
+    """The renderer for data with tool calls or tools, chosen (not asked for) as ``name``:
+    ``name`` if it writes ``conversation`` (the data's first such row) as the chat template
+    does, else the template itself: the server renders tool conversations with the template
+    (``apply_chat_template(tools=...)``), and a model is trained on what it will be served."""
+    from tinker_cookbook import renderers as cookbook
+
+    from rlcli.compat import renderers
+    from rlcli.compat.chat_messages import to_cookbook
+
+    if name == renderers.NAME or not getattr(tokenizer, "chat_template", None):
+        return name, why
+    template = cookbook.get_renderer(renderers.NAME, tokenizer)
+    theirs = template.build_supervised_example(to_cookbook(conversation, template))[0]
+    try:
+        chosen = cookbook.get_renderer(name, tokenizer)
+        ours = chosen.build_supervised_example(to_cookbook(conversation, chosen))[0]
+    except Exception:  # noqa: BLE001 - a renderer that cannot write tools: not a match
+        ours = None
+    if ours is not None and ours.to_ints() == theirs.to_ints()[: ours.length]:
+        return name, why
+    return renderers.NAME, f"the model's own chat template, exactly: {name} writes tools otherwise"

@@ -16,6 +16,8 @@ turn with (``tokenizer.end_of_turn_id``), else the tokenizer's eos.
 
 from __future__ import annotations
 
+import json
+
 import tinker
 import torch
 from tinker_cookbook.renderers import base
@@ -52,15 +54,44 @@ PROBES = {
 }
 
 
-def _plain(messages: list[Message]) -> list[dict]:
-    """What a chat template reads: role and text content."""
-    return [{"role": m["role"], "content": base.get_text_content(m)} for m in messages]
+# The key of the system message ``TemplateRenderer.create_conversation_prefix_with_tools``
+# returns: it carries the tools to ``apply_chat_template(tools=...)``, which writes them itself.
+TOOLS_KEY = "rlcli_tools"
+
+
+def _plain(messages: list[Message]) -> tuple[list[dict], list[dict] | None]:
+    """What a chat template reads: role and text content, OpenAI's tool calls (arguments as an
+    object: what the model writes, and what templates put in ``<tool_call>``) and tool
+    results' ids; and the tools, if the conversation offers them."""
+    out, tools = [], None
+    for m in messages:
+        if TOOLS_KEY in m:
+            tools = [{"type": "function", "function": dict(t)} for t in m[TOOLS_KEY]]
+            if not m["content"]:
+                continue  # the template writes its own system message for the tools
+        plain = {"role": m["role"], "content": base.get_text_content(m)}
+        if m.get("tool_calls"):
+            plain["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
+        if m.get("tool_call_id"):
+            plain["tool_call_id"] = m["tool_call_id"]
+        out.append(plain)
+    return out, tools
+
+
+def _template_call(call) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    body = {"name": call.function.name, "arguments": arguments}
+    return {"type": "function", "function": body, **({"id": call.id} if call.id else {})}
 
 
 def template_tokens(tokenizer, messages: list, generation_prompt: bool) -> list[int]:
     """``apply_chat_template``'s tokens for ``messages`` (a plain list of ints)."""
+    plain, tools = _plain(messages)
     out = tokenizer.apply_chat_template(
-        _plain(messages), tokenize=True, add_generation_prompt=generation_prompt
+        plain, tools=tools, tokenize=True, add_generation_prompt=generation_prompt
     )
     if hasattr(out, "keys") and "input_ids" in out:  # a BatchEncoding (return_dict)
         out = out["input_ids"]
@@ -156,6 +187,12 @@ class TemplateRenderer(Renderer):
         if messages[idx]["role"] == "assistant" and self.stop_token in tokens[start:end]:
             end = start + tokens[start:end].index(self.stop_token) + 1  # not what follows it
         return start, end
+
+    def create_conversation_prefix_with_tools(
+        self, tools: list, system_prompt: str = ""
+    ) -> list[Message]:
+        """A system message carrying the tools: the template writes them where it does."""
+        return [{"role": "system", "content": system_prompt, TOOLS_KEY: list(tools)}]
 
     def render_message(self, message: Message, ctx: RenderContext) -> RenderedMessage:
         """One message on its own (the cookbook's default helpers): the template's rendering

@@ -1,5 +1,11 @@
 """Chat JSONL for supervised fine-tuning: ``{"messages": [{"role", "content"}, ...]}`` per line.
 
+Agents' conversations keep what makes them agents' (OpenAI's format, as ``rlcli traces export
+--as sft`` writes it): an assistant message's ``tool_calls`` (``{"id"?, "type": "function",
+"function": {"name", "arguments"}}``, its content then may be empty), a tool message's
+``tool_call_id``, and the row's ``tools`` (the function specs the model was offered).
+``compat/chat_messages.py`` turns them into what the cookbook's renderers take.
+
 Validation reads everything first and reports every bad line (up to a limit) with its line
 number, so nothing is sent to a server for a file that would fail halfway through training.
 """
@@ -71,6 +77,8 @@ def check_conversation(row) -> str | None:
         return '"messages" is not a list'
     if not messages:
         return "empty conversation"
+    if row.get("tools") is not None and _tool_specs(row["tools"]) is None:
+        return '"tools" is not a list of function specs ({"type": "function", "function": ...})'
     has_assistant = False
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -78,13 +86,52 @@ def check_conversation(row) -> str | None:
         role = message.get("role")
         if role not in ROLES:
             return f"messages[{i}]: unknown role {role!r} (expected one of {', '.join(ROLES)})"
-        if content_text(message.get("content")) is None:
+        calls = message.get("tool_calls")
+        if calls is not None and (role != "assistant" or _calls(calls) is None):
+            return f"messages[{i}]: tool_calls must be an assistant's list of function calls"
+        content = message.get("content")
+        if content_text(content) is None and not (calls and content is None):
             return f"messages[{i}]: content is not text"
-        if role == "assistant" and content_text(message["content"]).strip():
+        if role == "assistant" and ((content_text(content) or "").strip() or calls):
             has_assistant = True
     if not has_assistant:
         return "no assistant turn to learn from"
     return None
+
+
+def _calls(calls) -> list[dict] | None:
+    """OpenAI tool calls with their arguments as a JSON string; None if they are not calls."""
+    if not isinstance(calls, list):
+        return None
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return None
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        one = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            one["id"] = call["id"]
+        out.append(one)
+    return out
+
+
+def _tool_specs(tools) -> list[dict] | None:
+    """The row's tools as function specs (``{"name", "description", "parameters"}``, what the
+    cookbook's ``ToolSpec`` is); None if they are not."""
+    if not isinstance(tools, list):
+        return None
+    out = []
+    for tool in tools:
+        spec = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            return None
+        parameters = spec.get("parameters", {"type": "object", "properties": {}})
+        description = spec.get("description", "")
+        out.append({"name": spec["name"], "description": description, "parameters": parameters})
+    return out
 
 
 def read_jsonl(
@@ -130,8 +177,18 @@ def _conversation(row) -> tuple[dict | None, str | None]:
     problem = check_conversation(row)
     if problem:
         return None, problem
-    messages = [{"role": m["role"], "content": content_text(m["content"])} for m in row["messages"]]
-    return {"messages": messages}, None
+    messages = []
+    for m in row["messages"]:
+        message = {"role": m["role"], "content": content_text(m.get("content")) or ""}
+        if m.get("tool_calls"):
+            message["tool_calls"] = _calls(m["tool_calls"])
+        if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+            message["tool_call_id"] = m["tool_call_id"]
+        messages.append(message)
+    out = {"messages": messages}
+    if row.get("tools"):
+        out["tools"] = _tool_specs(row["tools"])
+    return out, None
 
 
 def read_conversations(lines: Iterable[str], source: str) -> list[dict]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlcli.compat.packing import SEGMENT_KEY
-from rlcli.compat.renderer_choice import resolve_renderer
+from rlcli.compat.renderer_choice import for_tool_data, resolve_renderer
 from rlcli.compat.run_hooks import install_grad_accum, install_lr_warmup, install_packing
 from rlcli.data import tables
 from rlcli.data.chat import read_conversations
@@ -118,6 +118,9 @@ class SL(Recipe):
         run_dir = self.run_dir_of(opts)
         conversations, dataset_path = load_dataset(opts, run_dir, stdin)
         renderer, source, tokenizer = resolve_renderer(opts.model, opts.renderer)
+        with_tools = next((c for c in conversations if _has_tools(c)), None)
+        if with_tools and not opts.renderer and tokenizer is not None:
+            renderer, source = for_tool_data(renderer, source, tokenizer, with_tools)
         held_out = math.ceil(opts.test_size * len(conversations)) if opts.test_size else 0
         if held_out >= len(conversations):
             raise RlcliError(
@@ -181,10 +184,11 @@ class SL(Recipe):
 
     def cookbook_config(self, spec: dict):
         from tinker_cookbook.supervised import train
-        from tinker_cookbook.supervised.data import FromConversationFileBuilder
+
+        from rlcli.compat.chat_messages import ChatFileBuilder
 
         opts, plan = spec["options"], spec["plan"]
-        builder = FromConversationFileBuilder(
+        builder = ChatFileBuilder(
             file_path=plan["dataset_path"],
             test_size=plan["held_out"],
             shuffle_seed=opts["seed"],
@@ -233,6 +237,12 @@ class SL(Recipe):
         return summary
 
 
+def _has_tools(conversation: dict) -> bool:
+    return bool(conversation.get("tools")) or any(
+        m.get("tool_calls") for m in conversation["messages"]
+    )
+
+
 def _count_tokens(conversations, held_out, renderer_name, tokenizer, max_length, seed):
     """(training tokens per epoch, held-out tokens), after truncation to ``max_length``."""
     if tokenizer is None:
@@ -241,12 +251,14 @@ def _count_tokens(conversations, held_out, renderer_name, tokenizer, max_length,
     from tinker_cookbook import renderers
     from tinker_cookbook.supervised.data import conversation_to_datum
 
+    from rlcli.compat.chat_messages import to_cookbook
+
     renderer = renderers.get_renderer(renderer_name, tokenizer)
     lengths = [
-        conversation_to_datum(c["messages"], renderer, max_length).model_input.length
+        conversation_to_datum(to_cookbook(c, renderer), renderer, max_length).model_input.length
         for c in conversations
     ]
-    # The recipe's order: FromConversationFileBuilder shuffles with the seed, then splits.
+    # The recipe's order: ChatFileBuilder shuffles with the seed, then splits.
     order = datasets.Dataset.from_dict({"i": range(len(lengths))}).shuffle(seed=seed)["i"]
     test = sum(lengths[i] for i in order[:held_out])
     return sum(lengths) - test, test
