@@ -91,7 +91,7 @@ def pytest_make_collect_report(collector):  # a module that skips itself as a wh
 
 
 # The files that take longest (docs/testing.md), run first: pytest-xdist (pyproject's addopts,
-# `-n 2 --dist loadfile`) hands whole files to its workers in collection order, so a long file
+# `-n 3 --dist loadfile`) hands whole files to its workers in collection order, so a long file
 # collected last would leave one worker running it alone at the end.
 LONGEST_FIRST = [
     "test_train_rl.py", "test_run_control.py", "test_train_opsd.py", "test_train_sl.py",
