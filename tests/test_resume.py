@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GSM8K, RLCLI
+from conftest import GSM8K, RLCLI, cli
 
 EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
 CHATS = EXAMPLES / "conversations.jsonl"  # 128 conversations
@@ -148,7 +148,7 @@ def test_kill_9_at_three_points_then_resume_matches_an_uninterrupted_run(
     reference = losses_by_step(reference_dir)
     assert sorted(reference) == list(range(12))
 
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    done = cli(*argv[len(RLCLI) :])  # the last resume ends by itself: in this process
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming in" in done.stderr
 
@@ -170,37 +170,13 @@ def test_kill_9_at_three_points_then_resume_matches_an_uninterrupted_run(
 
 
 def _three_saved_steps(server, tiny_model, run_dir, command: str, *data_flags: str) -> list:
-    """Run ``rlcli train COMMAND`` for 3 steps saving every step; its checkpoint records."""
-    result = subprocess.run(
-        [
-            *RLCLI,
-            "train",
-            command,
-            *data_flags,
-            "--model",
-            str(tiny_model),
-            "--base-url",
-            server.base_url,
-            "--batch-size",
-            "2",
-            "--group-size",
-            "2",
-            "--max-tokens",
-            "8",
-            "--max-steps",
-            "3",
-            "--save-every",
-            "1",
-            "--lora-rank",
-            "4",
-            "--log-path",
-            str(run_dir),
-            "--json",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    """Run ``rlcli train COMMAND`` for 3 steps saving every step (in this process, conftest.cli);
+    its checkpoint records."""
+    result = cli(
+        "train", command, *data_flags, "--model", str(tiny_model), "--base-url", server.base_url,
+        "--batch-size", "2", "--group-size", "2", "--max-tokens", "8", "--max-steps", "3",
+        "--save-every", "1", "--lora-rank", "4", "--log-path", str(run_dir), "--json",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return records(run_dir)
 

@@ -238,10 +238,7 @@ def test_detach_follow_cancel_and_resume(server, tiny_model, chats, env, tmp_pat
 
     resume = cancelled["resume"].split()
     assert resume[:3] == ["rlcli", "train", "sl"]
-    resumed = subprocess.run(
-        [*RLCLI, *resume[1:], "--max-steps", str(done + 1), "--json"],
-        env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+    resumed = rlcli(env, *resume[1:], "--max-steps", str(done + 1), "--json")  # ends by itself
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
     assert steps == list(range(done + 1))  # continued at the step after the checkpoint

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli
+from conftest import cli, run_rlcli
 from rlcli.data.chat import DataError
 from rlcli.data.prompts import read_prompts
 from rlcli.recipes.opsd import OpsdOptions
@@ -278,8 +278,8 @@ def test_prompt_and_messages_files_train_and_a_checkpoint_teaches(
     tmp_path, server, tiny_model, zebra
 ):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
-    first = cli(*small(server.base_url, tiny_model, prompts, tmp_path / "a", "--steps", "2",
-                       "--lr", "1e-2"))  # fmt: skip
+    first = run_rlcli(*small(server.base_url, tiny_model, prompts, tmp_path / "a", "--steps", "2",
+                             "--lr", "1e-2"))  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     summary = json.loads(first.stdout)
     assert summary["sampler_path"].startswith("tinker://") and "step 2/2" in first.stderr
