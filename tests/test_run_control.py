@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI, recipe_children, start_server, wait_for_steps
+from conftest import RLCLI, cli, recipe_children, start_server, wait_for_steps
 
 EXAMPLES = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
 
@@ -196,7 +196,7 @@ def test_a_second_command_on_a_running_folder_names_the_pid(tmp_path, server, ti
     proc, _ = start(argv, run_dir)
     try:
         wait_for_steps(run_dir, 1, proc)
-        second = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        second = cli(*argv[len(RLCLI) :])  # in this process: the lock is per process
         assert second.returncode == 1
         errors = error_lines(second.stderr)
         assert len(errors) == 1, second.stderr
@@ -260,7 +260,7 @@ def test_plain_progress_rates_are_sane_and_the_end_is_narrated(tmp_path, server,
         "--base-url", server.base_url, "--log-path", str(run_dir), "--batch-size", "8",
         "--max-steps", "8", "--lora-rank", "4", "--save-every", "4", "--test-size", "0.1",
     ]  # fmt: skip
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    result = cli(*argv[len(RLCLI) :])  # in this process: stderr is not a terminal either
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stderr.splitlines()
     steps = [ln for ln in lines if ln.startswith("step ")]
