@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI, run_rlcli
+from conftest import RLCLI, cli
 from rlcli.harbor import docker
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "harbor-tasks"
@@ -39,7 +39,7 @@ def test_eval_rl_scores_each_task_by_an_episode_stable_for_a_seed(daemon, server
         server.base_url, "--max-new-tokens", "12", "--max-turns", "2", "--temperature", "1",
         "--seed", "7", "--json",
     )  # fmt: skip
-    first, again = run_rlcli(*args), run_rlcli(*args)
+    first, again = cli(*args), cli(*args)  # in this process; the Ctrl-C test runs one
     assert first.returncode == 0, first.stderr[-3000:]
     a, b = json.loads(first.stdout), json.loads(again.stdout)
     rows = a["per_task"]
@@ -58,7 +58,7 @@ def test_eval_rl_scores_each_task_by_an_episode_stable_for_a_seed(daemon, server
     assert [[t[k] for k in keep] for t in rows] == [[t[k] for k in keep] for t in b["per_task"]]
     assert eval_containers() == []
     # --task-filter and --tasks pick tasks by name
-    one = run_rlcli(*args[:-1], "--task-filter", "fix-*,write-file", "--tasks", "1", "--json")
+    one = cli(*args[:-1], "--task-filter", "fix-*,write-file", "--tasks", "1", "--json")
     assert one.returncode == 0, one.stderr[-3000:]
     assert [t["id"] for t in json.loads(one.stdout)["per_task"]] == ["fix-script"]
 
@@ -113,7 +113,7 @@ def test_the_eval_episode_grades_like_the_verifier(daemon, tiny_model):
 
 def test_a_missing_daemon_is_one_line_before_any_sampling(server, tiny_model):
     dead = "unix:///nonexistent/docker.sock"
-    result = run_rlcli(
+    result = cli(
         "eval", "rl", "--env", str(EXAMPLES), "--model", str(tiny_model), "--base-url",
         server.base_url, env={"DOCKER_HOST": dead},
     )  # fmt: skip

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ANSWER, cli, run_rlcli, start_server, train_zebra
+from conftest import ANSWER, cli, start_server, train_zebra
 
 TEXT = "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\nzebra zebra zebra"
 # Per-token |logprob(GGUF via transformers) - logprob(server)| <= REL * (1 + |logprob|): the
@@ -51,9 +51,10 @@ def gguf_logprobs(gguf_file: Path, tokens: list[int]) -> np.ndarray:
 
 
 def export_gguf(base_url: str, path: str, out: Path, kind: str) -> dict:
-    done = run_rlcli(
+    """In this process (conftest.cli); test_safety runs `export` as a process."""
+    done = cli(
         "export", "-c", path, "--gguf", "--gguf-type", kind, "-o", str(out), "--json",
-        "--base-url", base_url, timeout=600,
+        "--base-url", base_url,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
@@ -120,7 +121,7 @@ def test_an_imported_gguf_export_serves_what_was_taught(server, zebra, tmp_path)
 
     out = tmp_path / "zebra.gguf"
     export_gguf(server.base_url, zebra["sampler"], out, "f16")
-    imported = run_rlcli("models", "import-gguf", str(out), str(tmp_path / "imported"), "--json")
+    imported = cli("models", "import-gguf", str(out), str(tmp_path / "imported"), "--json")
     assert imported.returncode == 0, imported.stderr[-2000:]
     home = tmp_path / "home"
     record = start_server(home, Path(json.loads(imported.stdout)["path"]))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_rlcli
+from conftest import cli, run_rlcli
 from rlcli.errors import RlcliError
 from rlcli.harbor import tasks
 
@@ -92,7 +92,7 @@ def test_memory_spellings_and_a_prebuilt_image(tmp_path):
 def test_a_dataset_name_missing_from_the_cache_says_how_to_use_a_local_folder(tmp_path):
     # No uvx on PATH: the download cannot even start.
     env = {"HARBOR_CACHE_DIR": str(tmp_path / "cache"), "PATH": str(tmp_path / "empty")}
-    result = run_rlcli(
+    result = cli(
         "train", "harbor", "--model", "Qwen/Qwen3-0.6B", "--dataset", "terminal-bench@2.0",
         "--dry-run", env=env,
     )  # fmt: skip
@@ -106,7 +106,7 @@ def test_a_dataset_name_missing_from_the_cache_says_how_to_use_a_local_folder(tm
     (bin_dir / "uvx").write_text("#!/bin/sh\necho 'error: failed to fetch harbor: offline' >&2\n"
                                  "exit 2\n")  # fmt: skip
     (bin_dir / "uvx").chmod(0o755)
-    result = run_rlcli(
+    result = cli(
         "train", "harbor", "--model", "Qwen/Qwen3-0.6B", "--dry-run",
         env={**env, "PATH": str(bin_dir)},
     )  # fmt: skip
@@ -127,7 +127,7 @@ def test_a_dataset_in_the_harbor_cache_is_used_by_name(tmp_path, monkeypatch):
 
 
 def test_dry_run_validates_the_tasks_with_no_daemon_and_no_server(tmp_path, tiny_model):
-    result = run_rlcli(
+    result = cli(
         "train", "harbor", "--model", str(tiny_model), "--dataset", str(EXAMPLES),
         "--groups-per-batch", "2", "--task-filter", "*-*", "--dry-run", "--json",
         "--base-url", "http://127.0.0.1:9", "--log-path", str(tmp_path / "run"),
@@ -143,7 +143,7 @@ def test_dry_run_validates_the_tasks_with_no_daemon_and_no_server(tmp_path, tiny
     # A broken task is named before anything runs.
     task = copy_task(tmp_path)
     (task / "tests" / "test.sh").unlink()
-    result = run_rlcli(
+    result = cli(
         "train", "harbor", "--model", str(tiny_model), "--dataset", str(task.parent), "--dry-run"
     )
     assert result.returncode == 1

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_rlcli
+from conftest import cli, run_rlcli
 from rlcli.compat import distill, skyrl_client
 from rlcli.launch import pids, process
 
@@ -50,7 +50,7 @@ def start(env: dict, model: Path) -> process.ServerRecord:
 def skyrl_server(skyrl_env, tiny_model):
     record = start(skyrl_env, tiny_model)
     yield record
-    run_rlcli("serve", "stop", env=skyrl_env)
+    cli("serve", "stop", env=skyrl_env)
 
 
 def alive(members: dict[int, int | None]) -> list[int]:
@@ -65,11 +65,11 @@ def cmdline(pid: int) -> list[str]:
 
 
 def test_status_and_logs_see_the_skyrl_server(skyrl_server, skyrl_env):
-    status = run_rlcli("serve", "status", "--json", env=skyrl_env)
+    status = cli("serve", "status", "--json", env=skyrl_env)
     assert status.returncode == 0, status.stdout + status.stderr
     body = json.loads(status.stdout)
     assert body["backend"] == "jax" and body["healthy"] and body["pid"] == skyrl_server.pid
-    logs = run_rlcli("serve", "logs", "-n", "400", env=skyrl_env)
+    logs = cli("serve", "logs", "-n", "400", env=skyrl_env)
     assert "Initialized TinkerEngine" in logs.stdout
     # bound to loopback, database and checkpoints in rlcli's home
     command = skyrl_server.command
@@ -84,21 +84,21 @@ def test_train_sl_then_rl_importance_sampling_end_to_end(skyrl_server, skyrl_env
 
     conversations = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
     home = Path(skyrl_env["RLCLI_HOME"])
-    sl = run_rlcli(
+    sl = cli(
         "train", "sl", "--dataset", str(conversations), "--model", str(tiny_model),
         "--base-url", skyrl_server.base_url, "--log-path", str(home / "sl"),
-        "--batch-size", "4", "--max-steps", "3", "--json", env=skyrl_env, timeout=900,
+        "--batch-size", "4", "--max-steps", "3", "--json", env=skyrl_env,
     )  # fmt: skip
     assert sl.returncode == 0, sl.stderr[-3000:]
     summary = json.loads(sl.stdout)
     assert summary["state_path"].startswith("tinker://")
     assert len((home / "sl" / "metrics.jsonl").read_text().splitlines()) == 3
     # The SL run's adapter was freed at its exit: with one slot, RL could not start otherwise.
-    rl = run_rlcli(
+    rl = cli(
         "train", "rl", "--dataset", "arithmetic", "--model", str(tiny_model),
         "--base-url", skyrl_server.base_url, "--log-path", str(home / "rl"),
         "--loss", "importance_sampling", "--batch-size", "2", "--group-size", "2",
-        "--max-tokens", "8", "--max-steps", "2", "--json", env=skyrl_env, timeout=900,
+        "--max-tokens", "8", "--max-steps", "2", "--json", env=skyrl_env,
     )  # fmt: skip
     assert rl.returncode == 0, rl.stderr[-3000:]
     assert "loss importance_sampling (jax backend)" in rl.stderr  # the guard knew the server
@@ -112,7 +112,7 @@ def test_train_sl_then_rl_importance_sampling_end_to_end(skyrl_server, skyrl_env
 
 
 def test_gspo_is_refused_before_any_rollout(skyrl_server, skyrl_env, tiny_model, tmp_path):
-    result = run_rlcli(
+    result = cli(
         "train", "rl", "--dataset", "arithmetic", "--model", str(tiny_model),
         "--base-url", skyrl_server.base_url, "--log-path", str(tmp_path / "run"),
         "--loss", "gspo", env=skyrl_env,
@@ -129,7 +129,7 @@ def test_gspo_is_refused_by_the_probe_when_the_server_is_not_ours(
 ):
     """A SkyRL server rlcli did not start: its backend is unknown, so a one-datum forward with
     the loss asks it (SkyRL's 400 arrives through retrieve_future)."""
-    result = run_rlcli(
+    result = cli(
         "train", "rl", "--dataset", "arithmetic", "--model", str(tiny_model),
         "--base-url", skyrl_server.base_url, "--log-path", str(tmp_path / "run"),
         "--loss", "gspo", env={"RLCLI_HOME": str(tmp_path / "elsewhere")},

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 from conftest import cli
-from conftest import run_rlcli as run
 
 DEAD_URL = "http://127.0.0.1:9"
 
@@ -43,7 +42,7 @@ def test_the_margin_rises_and_a_finished_run_resumes(tmp_path, server, tiny_mode
         "--base-url", server.base_url, "--log-path", str(run_dir), "--batch-size", "4",
         "--lr", "5e-3", "--lora-rank", "8", "--lr-schedule", "constant", "--json",
     )  # fmt: skip
-    result = run(*args, "--epochs", "3")
+    result = cli(*args, "--epochs", "3")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     margins = [r["margin"] for r in rows]
@@ -52,10 +51,10 @@ def test_the_margin_rises_and_a_finished_run_resumes(tmp_path, server, tiny_mode
     summary = json.loads(result.stdout)
     assert summary["final_margin"] == margins[-1] and summary["state_path"].startswith("tinker://")
     assert "step 12/12" in result.stderr and "margin" in result.stderr
-    plotted = json.loads(run("runs", "plot", str(run_dir), "--json").stdout)
+    plotted = json.loads(cli("runs", "plot", str(run_dir), "--json").stdout)
     assert [p["label"] for p in plotted["panels"]] == ["loss", "margin", "accuracy"]
     config = ("--config", str(run_dir / "config.yaml"), "--log-path", str(run_dir))
-    again = run("train", "dpo", *config, "--epochs", "4")  # one more epoch, from the folder
+    again = cli("train", "dpo", *config, "--epochs", "4")  # one more epoch, from the folder
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming in" in again.stderr
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
@@ -133,14 +132,14 @@ def test_runs_cancel_saves_where_the_next_step_starts(tmp_path, server, tiny_mod
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         assert time.monotonic() < deadline and proc.poll() is None, "no third step"
         time.sleep(0.2)
-    cancelled = run("runs", "cancel", str(run_dir), "--json", env=env)
+    cancelled = cli("runs", "cancel", str(run_dir), "--json", env=env)
     assert cancelled.returncode == 0, cancelled.stderr
     assert json.loads(cancelled.stdout)["checkpoint"]["state_path"].startswith("tinker://")
     proc.communicate(timeout=60)
     done = len(metrics.read_text().splitlines())
     last = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").open()][-1]
     assert last["cancelled"] and (last["epoch"], last["batch"]) == divmod(done, 2)
-    again = run(*args, "--epochs", "50", "--max-steps", str(done + 1), env=env)
+    again = cli(*args, "--epochs", "50", "--max-steps", str(done + 1), env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in metrics.open()]
     assert steps == list(range(done + 1))  # picked up exactly where it stopped

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI, run_rlcli
+from conftest import RLCLI, cli
 from rlcli.harbor import docker
 from rlcli.recipes.harbor import run_id
 
@@ -37,7 +37,7 @@ def test_two_steps_resume_exactly_through_config_yaml_with_wandb(
     tmp_path, server, tiny_model, daemon
 ):
     run_dir = tmp_path / "run"
-    first = run_rlcli(*args(server, tiny_model, run_dir, "--max-steps", "1", "--save-every", "1"))
+    first = cli(*args(server, tiny_model, run_dir, "--max-steps", "1", "--save-every", "1"))
     assert first.returncode == 0, first.stderr[-3000:]
     assert "3 tasks, 1 steps of 4 rollouts in docker containers" in first.stderr
     assert "step 1/1" in first.stderr
@@ -48,7 +48,7 @@ def test_two_steps_resume_exactly_through_config_yaml_with_wandb(
     assert {r["task"] for r in rows} == {"compute-value", "fix-script"}  # the first batch
     assert all(r["start_s"] > 0 and r["remove_s"] > 0 for r in rows)
 
-    second = run_rlcli(
+    second = cli(
         "train", "harbor", "--config", str(run_dir / "config.yaml"), "--log-path", str(run_dir),
         "--max-steps", "2", "--json", "--wandb-project", "rlcli-test",
         env={"WANDB_MODE": "offline"},
@@ -128,7 +128,7 @@ def test_a_sigkilled_recipe_child_leaves_no_container(tmp_path, server, tiny_mod
 
 def test_a_missing_daemon_is_one_line_before_the_run_folder(tmp_path, server, tiny_model):
     run_dir = tmp_path / "run"
-    result = run_rlcli(
+    result = cli(
         *args(server, tiny_model, run_dir), env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"}
     )
     assert result.returncode == 1
