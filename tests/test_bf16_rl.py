@@ -20,7 +20,7 @@ import tinker
 from tinker import types
 from tinker_cookbook.rl import train as rl_train
 
-from conftest import LowTokensBuilder, run_rlcli, start_server
+from conftest import LowTokensBuilder, cli, start_server
 
 MEAN = "rlcli/logp_diff_mean:mean"
 MAX = "rlcli/logp_diff_max:max"
@@ -168,7 +168,7 @@ def test_a_seeded_bf16_run_repeats_its_rollouts_and_curves(tmp_path, bf16_server
     same loss-side numbers (sampler/trainer mismatch, gradient norm) step by step."""
     curves = []
     for name in ("a", "b"):
-        result = run_rlcli(
+        result = cli(
             "train", "rl", "--model", str(tiny_model), "--base-url", bf16_server.base_url,
             "--dataset", "arithmetic", "--batch-size", "2", "--group-size", "4",
             "--max-tokens", "8", "--max-steps", "3", "--seed", "3", "--lr", "1e-2",

@@ -237,7 +237,6 @@ def test_runs_cancel_saves_the_hypernet_and_a_resume_continues(tmp_path, server,
     import time
 
     from conftest import RLCLI
-    from conftest import run_rlcli as run
 
     run_dir = tmp_path / "run"
     args = (
@@ -255,7 +254,7 @@ def test_runs_cancel_saves_the_hypernet_and_a_resume_continues(tmp_path, server,
             raise AssertionError(f"the run ended before its third step: {proc.stderr.read()}")
         assert time.monotonic() < deadline, "no third step"
         time.sleep(0.2)
-    cancelled = run("runs", "cancel", str(run_dir), "--json", env=env)
+    cancelled = cli("runs", "cancel", str(run_dir), "--json", env=env)
     assert cancelled.returncode == 0, cancelled.stderr
     path = json.loads(cancelled.stdout)["checkpoint"]["state_path"]
     assert "/hypernet_weights/" in path

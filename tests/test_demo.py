@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RLCLI, run_rlcli
+from conftest import RLCLI, cli
 from rlcli.demo.budget import RLBudget, verdict
 from rlcli.demo.run import DemoConfig, reward, steps_for, style_rate
 from rlcli.launch.pids import pid_alive
@@ -23,7 +23,7 @@ def test_demo_reports_before_after_writes_curves_and_stops_its_server(tmp_path, 
     home = tmp_path / "home"
     run_dir = tmp_path / "run"
     args = ("demo", "--base-model", str(tiny_model), "--steps", "2", "--rl-steps", "2")
-    result = run_rlcli(
+    result = cli(  # in this process; the Ctrl-C tests run it as a process
         *args, "--max-tokens", "8", "--log-path", str(run_dir), "--json",
         env={"RLCLI_HOME": str(home)},
     )  # fmt: skip
@@ -40,7 +40,7 @@ def test_demo_reports_before_after_writes_curves_and_stops_its_server(tmp_path, 
         assert line in result.stderr
     assert summary["rl_verdict"]["rose"] is None  # 2 RL steps: too few to tell, and it says so
     assert summary["rl_verdict"]["says"].startswith("2 RL steps: too few to tell")
-    listed = json.loads(run_rlcli("runs", "list", "--json", env={"RLCLI_HOME": str(home)}).stdout)
+    listed = json.loads(cli("runs", "list", "--json", env={"RLCLI_HOME": str(home)}).stdout)
     assert [(r["run_dir"], r["kind"], r["status"], r["steps_done"]) for r in listed] == [
         (str(run_dir), "demo", "finished", 4)
     ]
@@ -82,7 +82,7 @@ def test_ctrl_c_leaves_no_empty_folder_and_a_started_run_is_listed(
         assert proc.wait(timeout=120) == 130, err.read_text()[-3000:]
     assert "server stopped" in err.read_text()
     assert not (home / "demo" / "server.json").exists()
-    listed = json.loads(run_rlcli("runs", "list", "--json", env={"RLCLI_HOME": str(home)}).stdout)
+    listed = json.loads(cli("runs", "list", "--json", env={"RLCLI_HOME": str(home)}).stdout)
     if not leaves_a_run:
         assert not run_dir.exists() and listed == []
         return

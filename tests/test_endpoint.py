@@ -56,10 +56,10 @@ def test_passthrough_and_train_find_the_server_running_here(
     listed = run_rlcli("run", "list", "--json", env=env, timeout=120)
     assert listed.returncode == 0, listed.stderr
     chats = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
-    trained = run_rlcli(
+    trained = cli(
         "train", "sl", "--dataset", str(chats / "conversations.jsonl"),
         "--model", str(tiny_model), "--max-steps", "1", "--batch-size", "4",
-        "--lora-rank", "4", "--log-path", str(tmp_path / "run"), env=env, timeout=300,
+        "--lora-rank", "4", "--log-path", str(tmp_path / "run"), env=env,
     )  # fmt: skip
     assert trained.returncode == 0, trained.stderr[-3000:]
     said = f"server: {server.base_url} (the server running here, pid {server.pid})"
@@ -111,9 +111,7 @@ def test_train_rl_against_a_keyed_server(keyed_server, tiny_model, tmp_path):
         "--gsm8k-dir", str(GSM8K), "--batch-size", "2", "--group-size", "2",
         "--max-tokens", "8", "--max-steps", "1", "--lora-rank", "4", "--json",
     )  # fmt: skip
-    right = run_rlcli(
-        *args, "--log-path", str(tmp_path / "ok"), env={"TINKER_API_KEY": "tml-secret"}
-    )
+    right = cli(*args, "--log-path", str(tmp_path / "ok"), env={"TINKER_API_KEY": "tml-secret"})
     assert right.returncode == 0, right.stderr[-3000:]
     assert json.loads(right.stdout)["state_path"].startswith("tinker://")
     # progress from the first second, sampling included: 2 problems x 2 rollouts

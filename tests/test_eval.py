@@ -109,7 +109,7 @@ def test_compare_shows_an_sft_checkpoint_ahead_of_its_base_model(tmp_path, serve
     assert [t["id"] for t in base["per_task"]] == [t["id"] for t in trained["per_task"]]
     assert trained["pass_rate"] >= 0.75 and base["pass_rate"] == 0.0, trained["per_task"]
     assert out["difference"]["mean_reward"] == trained["mean_reward"] - base["mean_reward"] > 0.5
-    table = run_rlcli(
+    table = cli(
         "eval", "rl", "--env", str(env), "--checkpoint", sampler, "--compare", "--tasks", "2",
         "--max-new-tokens", "4", "--base-url", server.base_url,
     )  # fmt: skip

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, run_rlcli
+from conftest import cli
 from rlcli.data.chat import DataError, read_conversations
 from rlcli.data.importers import ImportReport, import_lines
 
@@ -170,13 +170,10 @@ def test_bad_lines_are_reported_by_number():
     assert "unknown role 'alien'" in report.errors[0].message
 
 
-rlcli = run_rlcli
-
-
 def test_cli_reports_counts_on_stderr_and_jsonl_on_stdout(tmp_path):
     dump = tmp_path / "dump.jsonl"
     dump.write_text("\n".join(json.dumps(r) for r in OPENAI) + "\n{bad\n")
-    result = rlcli("import", str(dump), "-f", "openai")
+    result = cli("import", str(dump), "-f", "openai")
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(rows) == 3 and all("messages" in r for r in rows)

@@ -137,7 +137,7 @@ def test_gguf_base_model_serves_samples_trains_and_matches_transformers(tiny_ggu
     from tinker import types
     from transformers import AutoModelForCausalLM
 
-    from conftest import run_rlcli, start_server
+    from conftest import cli, start_server
     from rlcli.launch import process
     from rlcli.launch.torch_server import check_base_model
 
@@ -174,11 +174,11 @@ def test_gguf_base_model_serves_samples_trains_and_matches_transformers(tiny_ggu
         sample = sampler.sample(types.ModelInput.from_ints(tokens[:4]), 1, params).result()
         assert 1 <= len(sample.sequences[0].tokens) <= 5
 
-        cli = run_rlcli(
+        sampled = cli(
             "sample", "-p", "hello", "--model", str(tiny_gguf), "--max-tokens", "4",
             "--base-url", record.base_url, "--seed", "0",
         )  # fmt: skip
-        assert cli.returncode == 0, cli.stderr
+        assert sampled.returncode == 0, sampled.stderr
     finally:
         process.stop(home)
 

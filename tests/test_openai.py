@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ANSWER, run_rlcli, train_zebra
+from conftest import ANSWER, cli, train_zebra
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_a_sft_checkpoint_answers_as_rlcli_sample_does(client, server, zebra):
         model=zebra["sampler"], messages=HELLO, temperature=0, max_tokens=40
     )
     text = answer.choices[0].message.content
-    sampled = run_rlcli(
+    sampled = cli(
         "sample", "-c", zebra["sampler"], "-p", "Hello there", "--temperature", "0",
         "--max-tokens", "40", "--json", "--base-url", server.base_url,
     )  # fmt: skip

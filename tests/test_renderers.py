@@ -183,21 +183,21 @@ def test_recipes_train_and_sample_through_chat_template_on_a_real_server(
 ):
     """The recipe child builds the renderer by name (registered there too): SFT steps and RL
     rollouts through it, on the shared server."""
-    from conftest import run_rlcli
+    from conftest import cli
 
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS.values()))
     common = ("--model", str(tiny_model), "--base-url", server.base_url, "--renderer",
               "chat_template", "--lora-rank", "4", "--json")  # fmt: skip
-    sft = run_rlcli("train", "sl", "--dataset", str(data), "--batch-size", "2",
-                    "--log-path", str(tmp_path / "sl"), *common)  # fmt: skip
+    sft = cli("train", "sl", "--dataset", str(data), "--batch-size", "2",
+              "--log-path", str(tmp_path / "sl"), *common)  # fmt: skip
     assert sft.returncode == 0, sft.stderr[-3000:]
     assert "renderer: chat_template (--renderer; matches the model's chat template exactly)" in (
         sft.stderr
     )
     assert json.loads(sft.stdout)["final_loss"] is not None
-    rl = run_rlcli("train", "rl", "--dataset", "arithmetic", "--batch-size", "2",
-                   "--group-size", "2", "--max-tokens", "8", "--max-steps", "1",
-                   "--log-path", str(tmp_path / "rl"), *common)  # fmt: skip
+    rl = cli("train", "rl", "--dataset", "arithmetic", "--batch-size", "2",
+             "--group-size", "2", "--max-tokens", "8", "--max-steps", "1",
+             "--log-path", str(tmp_path / "rl"), *common)  # fmt: skip
     assert rl.returncode == 0, rl.stderr[-3000:]
     assert json.loads(rl.stdout)["first_reward"] is not None

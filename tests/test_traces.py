@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import FINAL, QUESTION, cli, run_rlcli, start_server
+from conftest import FINAL, QUESTION, cli, start_server
 from rlcli import trace_format
 from test_tool_calls import agent_loop
 
@@ -173,7 +173,7 @@ def test_traces_list_show_and_export_feed_train_sl(episode, tools_server, tools_
     assert by_trace[answers[0].id]["messages"][-1]["tool_calls"][0]["id"].startswith("call_")
 
     # `rlcli traces export --as sft | rlcli train sl --dataset -`, as imports are fed
-    run = run_rlcli(
+    run = cli(
         "train", "sl", "--dataset", "-", "--model", str(tools_model),
         "--base-url", tools_server.base_url, "--log-path", str(tmp_path / "run"),
         "--batch-size", "2", "--max-steps", "2", "--json", stdin=sft.read_text(),
@@ -275,7 +275,7 @@ def test_a_capture_folder_that_cannot_be_used_is_one_line_at_start(tmp_path, tin
 
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    result = run_rlcli(
+    result = cli(
         "serve", "start", "--base-model", str(tiny_model), "--port", str(free_port()),
         "--capture-dir", str(blocker / "traces"), env={"RLCLI_HOME": str(tmp_path / "home")},
     )  # fmt: skip
