@@ -197,6 +197,18 @@ def test_an_rl_round_trains_and_the_gate_decides(tmp_path, server, tiny_model):
     assert (
         picked["method"] == "rl" and picked["traces"]["trained_on"] == 2 * picked["traces"]["train"]
     )
+    graded = learn(home, server, "--alias", "rlq", "--traces", judged, "--reward",
+                   f"{reward}:reward", *RL, "--json")  # fmt: skip
+    assert graded.returncode == 0, graded.stderr
+    second = json.loads(graded.stdout)
+    assert second["method"] == "rl" and second["round"] == 2
+    held = second["scores"]["held_out"]["current"]["n"]  # the reward scores every held-out trace
+    assert held == plan["traces"]["held_out"] + picked["traces"]["held_out"]
+    run = json.loads((home / "learn" / "rlq" / "002" / "run" / "rlcli_spec.json").read_text())
+    start = receipt["candidate"]["state"] if promoted else None  # the alias's training state
+    assert run["options"]["init_checkpoint"] == start and run["options"]["reward"]
+    promoted_too = second["decision"] == "promoted"
+    assert len(alias_history(server, "rlq")["log"]) == 1 + promoted + promoted_too
 
 
 def test_refusals_are_one_line(tmp_path, server, tiny_model, monkeypatch):
