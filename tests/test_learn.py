@@ -1,8 +1,10 @@
 """``rlcli learn`` on the shared tiny-model server: a round trained on corrections is promoted
 (held-out 0 -> 100: every door's password is "zebra"), a round on shuffled corrections is
 refused by the gate with the alias unchanged; the receipt, history, status and plot; a dry run
-writes nothing; too few traces and a concurrent round are one line; kill -9 mid-training and
-after evaluation, then a rerun: no second training, the alias moved once."""
+writes nothing; an rl round (``train rl`` on the logged prompts, graded by exact match or a
+``--reward``) trains and the gate decides; too few traces, ``--method rl`` with nothing to grade
+by and a concurrent round are one line; kill -9 mid-training and after evaluation, then a
+rerun: no second training, the alias moved once."""
 
 from __future__ import annotations
 
@@ -144,6 +146,71 @@ def test_a_round_is_promoted_and_a_shuffled_round_refused(tmp_path, capturing, t
     assert status["rounds"] == 2 and status["last_stage"] == "done"
 
 
+def scored(path: Path, doors: range, prefix: str) -> Path:
+    """Judged traces with a score of 0 and no correction: no right answer to match."""
+    rows = [{
+        "messages": [{"role": "user", "content": f"What is the password for door {i}?"},
+                     {"role": "assistant", "content": "I do not know."}],
+        "feedback": [{"key": "correct", "score": 0}],
+        "origin": {"format": "langsmith", "trace_id": f"{prefix}-{i}", "call_id": "c"},
+    } for i in doors]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+RL = ["--group-size", "2"]  # and FAST's --epochs 2: each prompt twice
+
+
+def test_an_rl_round_trains_and_the_gate_decides(tmp_path, server, tiny_model):
+    """``--method rl``: ``train rl`` on the round's prompts from the alias's state, each
+    rollout graded by exact match to the correction; scores alone and a ``--reward``: auto
+    picks rl, the reward grades both the rollouts and the gate."""
+    home = tmp_path / "home"
+    url = ["--base-url", server.base_url]
+    assert cli("alias", "set", "rlq", str(tiny_model), *url).returncode == 0
+    data = traces(tmp_path / "t.jsonl", range(16), lambda i: "zebra", "rl")
+    plan = json.loads(learn(home, server, "--alias", "rlq", "--traces", data, "--method", "rl",
+                            *RL, "--dry-run", "--json").stdout)  # fmt: skip
+    assert plan["method"] == "rl" and plan["traces"]["trained_on"] == 2 * plan["traces"]["train"]
+    done = learn(home, server, "--alias", "rlq", "--traces", data, "--method", "rl", *RL, "--json")
+    assert done.returncode == 0, done.stderr
+    receipt = json.loads(done.stdout)
+    assert receipt["method"] == "rl" and receipt["decision"] in ("promoted", "refused")
+    assert receipt["train"]["loss"] == "importance_sampling" and "final_reward" in receipt["train"]
+    assert receipt["candidate"]["checkpoint"].startswith("tinker://")
+    assert receipt["scores"]["held_out"]["current"]["n"] == plan["traces"]["held_out"]
+    run = json.loads((home / "learn" / "rlq" / "001" / "run" / "rlcli_spec.json").read_text())
+    assert run["options"]["init_checkpoint"] is None  # the alias served the base model
+    log = alias_history(server, "rlq")["log"]
+    promoted = receipt["decision"] == "promoted"
+    assert len(log) == 1 + promoted
+    assert (log[-1]["checkpoint"] == receipt["candidate"]["checkpoint"]) == promoted
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def reward(question, answer, reference=None):\n"
+                      "    return float('zebra' in answer.lower())\n")  # fmt: skip
+    judged = scored(tmp_path / "s.jsonl", range(16), "sc")
+    auto = learn(home, server, "--alias", "rlq", "--traces", judged, "--reward", f"{reward}:reward",
+                 *RL, "--dry-run", "--json")  # fmt: skip
+    assert auto.returncode == 0, auto.stderr
+    picked = json.loads(auto.stdout)  # scores, no right answer, a reward: rl on every prompt
+    assert (
+        picked["method"] == "rl" and picked["traces"]["trained_on"] == 2 * picked["traces"]["train"]
+    )
+    graded = learn(home, server, "--alias", "rlq", "--traces", judged, "--reward",
+                   f"{reward}:reward", *RL, "--json")  # fmt: skip
+    assert graded.returncode == 0, graded.stderr
+    second = json.loads(graded.stdout)
+    assert second["method"] == "rl" and second["round"] == 2
+    held = second["scores"]["held_out"]["current"]["n"]  # the reward scores every held-out trace
+    assert held == plan["traces"]["held_out"] + picked["traces"]["held_out"]
+    run = json.loads((home / "learn" / "rlq" / "002" / "run" / "rlcli_spec.json").read_text())
+    start = receipt["candidate"]["state"] if promoted else None  # the alias's training state
+    assert run["options"]["init_checkpoint"] == start and run["options"]["reward"]
+    promoted_too = second["decision"] == "promoted"
+    assert len(alias_history(server, "rlq")["log"]) == 1 + promoted + promoted_too
+
+
 def test_refusals_are_one_line(tmp_path, server, tiny_model, monkeypatch):
     from rlcli.learn.round import locked
 
@@ -154,8 +221,8 @@ def test_refusals_are_one_line(tmp_path, server, tiny_model, monkeypatch):
         (("--alias", "few", "--traces", few), "needs at least 8 (--min-traces)"),
         (("--alias", "nobody", "--traces", few), "not an alias on"),
         (("--alias", "few", "--traces", tmp_path / "missing.jsonl"), "no such file"),
-        (("--alias", "few", "--traces", few, "--min-traces", "2", "--method", "rl"),
-         "rl rounds are not built yet"),
+        (("--alias", "few", "--traces", scored(tmp_path / "s.jsonl", range(3), "s"),
+          "--min-traces", "2", "--method", "rl"), "no trace with a right answer"),
     ]  # fmt: skip
     for args, expected in cases:
         result = learn(home, server, *args)

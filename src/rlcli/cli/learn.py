@@ -32,7 +32,12 @@ def learn(
         "langsmith|langfuse|otel output); repeatable.",
     ),
     method: str = typer.Option(
-        "auto", "--method", help="auto | sl (corrections and answers judged good become SFT rows)."
+        "auto",
+        "--method",
+        help="auto | sl (corrections and answers judged good become SFT rows) | dpo (a "
+        "correction against the answer it corrected) | rl (train rl on the logged prompts, "
+        "graded by --reward, else by exact match to the right answer). auto: rl when the "
+        "verdicts are scores with no right answer and --reward is given, else sl.",
     ),
     held_out: float = typer.Option(
         0.25,
@@ -60,13 +65,23 @@ def learn(
         None,
         "--reward",
         help="FILE.py:FN(question, answer, "
-        "reference=...) -> float, instead of matching the right answer.",
+        "reference=...) -> float, instead of matching the right answer: it scores the gate's "
+        "answers and, with --method rl, the rollouts.",
     ),
-    epochs: int = typer.Option(3, "--epochs", min=1, help="Passes over a round's rows."),
+    epochs: int = typer.Option(
+        3, "--epochs", min=1, help="Passes over a round's rows (rl: over its prompts)."
+    ),
     lr: float = typer.Option(1e-4, "--learning-rate", "--lr", min=0.0, help="Learning rate."),
-    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Rows per step."),
+    batch_size: int = typer.Option(
+        8, "--batch-size", min=1, help="Rows per step (rl: prompts per step)."
+    ),
+    group_size: int = typer.Option(
+        4, "--group-size", min=2, help="rl: answers sampled per prompt (a group)."
+    ),
     lora_rank: int = typer.Option(16, "--lora-rank", min=1, help="LoRA rank of a first round."),
-    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Longest evaluated answer."),
+    max_tokens: int = typer.Option(
+        64, "--max-tokens", min=1, help="Longest evaluated answer (rl: and sampled rollout)."
+    ),
     seed: int = typer.Option(0, "--seed", min=0),
     watch: bool = typer.Option(
         False,
@@ -98,6 +113,7 @@ def learn(
         epochs=epochs,
         lr=lr,
         batch_size=batch_size,
+        group_size=group_size,
         lora_rank=lora_rank,
         max_tokens=max_tokens,
         seed=seed,

@@ -6,7 +6,8 @@ them together with a gate, and leaves its files in ``$RLCLI_HOME/learn/<alias>/<
 
     plan.json       which traces (by id) train and which are held out, the alias's version at
                     the start, data hashes and counts          (written first: the round exists)
-    train.jsonl     the SFT rows; run/ the ``train sl`` run folder (it resumes after a crash)
+    train.jsonl     the rows trained on (SFT rows, DPO pairs, or RL prompts); run/ the
+                    ``train sl|dpo|rl`` run folder (it resumes after a crash)
     trained.json    the candidate's checkpoints and the training metrics
     evaluated.json  both sides' answers and scores on the held-out and regression sets
     receipt.json    the decision and everything above    (written last: the round is done)
@@ -69,6 +70,7 @@ class LearnOptions:
     epochs: int = 3
     lr: float = 1e-4
     batch_size: int = 8
+    group_size: int = 4  # rl: answers sampled per prompt
     lora_rank: int = 16
     max_tokens: int = 64
     seed: int = 0
@@ -151,19 +153,19 @@ def _plan(opts: LearnOptions, served: dict, say) -> dict:
     train = [t for t in new if not t.held_out(opts.held_out)]
     held = [t for t in new if t.held_out(opts.held_out)]
     usable = [t for t in train if t.target]
-    if len(new) < opts.min_traces or not usable:
+    method = _method(opts, usable)
+    if len(new) < opts.min_traces or not (usable or method == "rl"):
         raise NotEnoughTraces(
             f"learn --alias {opts.alias}: {len(new)} judged traces not used before "
             f"({len(usable)} with a right answer to train on); a round needs at least "
             f"{opts.min_traces} (--min-traces) and one with a correction or a good verdict"
         )
-    method = _method(opts, usable)
-    rows = _rows(method, usable)
+    rows = _rows(method, usable if method != "rl" or not opts.reward else train, opts)
     if not rows:
-        raise NotEnoughTraces(
-            f"learn --alias {opts.alias} --method dpo: no trace with a correction that differs "
-            "from the served answer to make a pair of"
-        )
+        why = "no trace with a question to ask"
+        if method == "dpo":
+            why = "no trace with a correction that differs from the served answer to make a pair of"
+        raise NotEnoughTraces(f"learn --alias {opts.alias} --method {method}: {why}")
     number = len(rounds(opts.alias)) + 1
     plan = {
         "round": number,
@@ -193,23 +195,43 @@ def _plan(opts: LearnOptions, served: dict, say) -> dict:
 
 
 def _method(opts: LearnOptions, usable: list[Trace]) -> str:
-    if opts.method in ("auto", "sl"):
-        return "sl"  # corrections and answers judged good: supervised rows
-    if opts.method == "dpo":
-        return "dpo"  # a correction preferred to the answer it corrected
+    """``auto``: RL on the logged prompts when the verdicts are scores with no right answer
+    and a ``--reward`` grades; else SFT on the right answers."""
+    if opts.method == "auto":
+        return "rl" if opts.reward and not usable else "sl"
+    if opts.method in ("sl", "dpo"):
+        return opts.method
+    if opts.method == "rl":
+        if not usable and not opts.reward:
+            raise RlcliError(
+                f"learn --alias {opts.alias} --method rl: no trace with a right answer (a "
+                "correction or a good verdict) to grade by exact match, and no --reward "
+                "FILE.py:FN to grade with"
+            )
+        return "rl"
     raise RlcliError(
-        f"--method {opts.method}: learn trains with sl (corrections and answers judged good) "
-        "or dpo (corrections against the answers they corrected); rl rounds are not built yet"
+        f"--method {opts.method}: learn trains with sl (corrections and answers judged good), "
+        "dpo (corrections against the answers they corrected) or rl (the logged prompts, "
+        "graded by --reward or by exact match to the right answer)"
     )
 
 
-def _rows(method: str, usable: list[Trace]) -> list[dict]:
+def _rows(method: str, traces: list[Trace], opts: LearnOptions) -> list[dict]:
+    """The training rows. ``rl``: ``train rl --dataset`` rows, the question (the last user
+    turn) with ``answer`` (the right answer, matched exactly) or, with ``--reward``, the
+    right answer as ``reference`` (None where the verdict gave none); ``--epochs`` passes
+    written out, as ``train rl`` makes one pass over its file."""
     if method == "sl":
         return [{"messages": [*t.prompt, {"role": "assistant", "content": t.target}]}
-                for t in usable]  # fmt: skip
+                for t in traces]  # fmt: skip
+    if method == "rl":
+        key = "reference" if opts.reward else "answer"
+        once = [{"question": _question(t.prompt), key: t.target} for t in traces]
+        once = [r for r in once if r["question"].strip()]
+        return once * opts.epochs
     return [{"prompt": t.prompt, "chosen": [{"role": "assistant", "content": t.target}],
              "rejected": [{"role": "assistant", "content": t.answer}]}
-            for t in usable if gate.normalize(t.target) != gate.normalize(t.answer)]  # fmt: skip
+            for t in traces if gate.normalize(t.target) != gate.normalize(t.answer)]  # fmt: skip
 
 
 def _keep(t: Trace) -> dict:
@@ -243,11 +265,12 @@ def _write_regression(opts: LearnOptions, plan: dict) -> None:
         tmp.write_text("".join(json.dumps(t) + "\n" for t in kept))
 
 
-def _held_out_pool(alias: str) -> list[dict]:
-    """Every held-out trace with a right answer, of every round so far (never trained on)."""
+def _held_out_pool(alias: str, graded: bool = False) -> list[dict]:
+    """Every held-out trace with a right answer, of every round so far (never trained on);
+    ``graded`` (an rl round with ``--reward``): every held-out trace, the reward scores it."""
     pool = []
     for folder in rounds(alias):
-        pool += [t for t in _read(folder / PLAN)["held_out"] if t["target"]]
+        pool += [t for t in _read(folder / PLAN)["held_out"] if t["target"] or graded]
     return pool
 
 
@@ -267,11 +290,12 @@ def _finish(opts: LearnOptions, url: str, folder: Path, say) -> dict:
 
 
 def _train(opts: LearnOptions, url: str, folder: Path, plan: dict, say) -> dict:
-    """``train sl`` (or ``train dpo``) in the round's run folder, from the alias's state; a
-    rerun after a crash resumes that folder, so no step is trained twice."""
+    """``train sl`` (or ``train dpo``, ``train rl``) in the round's run folder, from the
+    alias's state; a rerun after a crash resumes that folder, so no step is trained twice."""
     from rlcli import recipes
     from rlcli.recipes import flow
     from rlcli.recipes.dpo import DPOOptions
+    from rlcli.recipes.rl import RLOptions
     from rlcli.recipes.sl import SLOptions
 
     started = time.time()
@@ -284,6 +308,11 @@ def _train(opts: LearnOptions, url: str, folder: Path, plan: dict, say) -> dict:
     )  # fmt: skip
     if plan["method"] == "dpo":
         options = DPOOptions(**common)
+    elif plan["method"] == "rl":
+        options = RLOptions(
+            **{k: v for k, v in common.items() if k != "epochs"}, group_size=opts.group_size,
+            max_tokens=opts.max_tokens, reward=opts.reward,
+        )  # fmt: skip
     else:
         options = SLOptions(**common, train_on="last")
     say(
@@ -304,7 +333,8 @@ def _evaluate(opts: LearnOptions, url: str, plan: dict, trained: dict, say) -> d
         "current": plan["current"]["checkpoint"],
         "candidate": trained["summary"]["sampler_path"],
     }
-    sets = {"held_out": _held_out_pool(opts.alias)}
+    graded = plan["method"] == "rl" and reward is not None
+    sets = {"held_out": _held_out_pool(opts.alias, graded)}
     regression = _read_lines(learn_dir(opts.alias) / REGRESSION)
     if regression:
         sets["regression"] = regression
