@@ -334,7 +334,7 @@ def run_rl(
             late = budget.overrun()
             if late:
                 report(late)
-        sampler = trainer.save_weights_and_get_sampling_client(f"demo-rl-{step}").result()
+        sampler = trainer.save_weights_and_get_sampling_client().result()
         batch = rng.sample(questions, config.rl_prompts)
         answers = sample(
             sampler, tokenizer, stop, batch, config.group_size, 1.0, max_tokens=config.max_tokens
@@ -415,7 +415,7 @@ def run_demo(
             report(f"before: answering {len(PROMPTS)} questions (greedy)")
             t0 = clock()
             result.before, result.before_finished = _answers(
-                trainer, tokenizer, stop, "demo-before", config.max_tokens
+                trainer, tokenizer, stop, config.max_tokens
             )
             answers_took = clock() - t0
             runs.open()
@@ -440,7 +440,7 @@ def run_demo(
             )  # fmt: skip
             report("after: the same questions again")
             result.after, result.after_finished = _answers(
-                trainer, tokenizer, stop, "demo-after", config.max_tokens
+                trainer, tokenizer, stop, config.max_tokens
             )
     except KeyboardInterrupt:
         runs.close("interrupted", 130, "interrupted (Ctrl-C or SIGTERM)")
@@ -482,9 +482,9 @@ def _interruptible():
             signal.signal(sig, handler)
 
 
-def _answers(trainer, tokenizer, stop, name: str, max_tokens: int):
+def _answers(trainer, tokenizer, stop, max_tokens: int):
     """Greedy answers to PROMPTS from the current weights: (texts, finished flags)."""
-    sampler = trainer.save_weights_and_get_sampling_client(name).result()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     answers = sample(sampler, tokenizer, stop, PROMPTS, 1, 0.0, max_tokens=max_tokens, seed=0)
     return [a[3] for a in answers], [a[4] for a in answers]
 
