@@ -101,13 +101,17 @@ def for_tool_data(name: str, why: str, tokenizer, conversation: dict) -> tuple[s
 
     if name == renderers.NAME or not getattr(tokenizer, "chat_template", None):
         return name, why
-    template = cookbook.get_renderer(renderers.NAME, tokenizer)
-    theirs = template.build_supervised_example(to_cookbook(conversation, template))[0]
-    try:
-        chosen = cookbook.get_renderer(name, tokenizer)
-        ours = chosen.build_supervised_example(to_cookbook(conversation, chosen))[0]
-    except Exception:  # noqa: BLE001 - a renderer that cannot write tools: not a match
-        ours = None
+
+    def written(renderer_name: str):
+        try:
+            renderer = cookbook.get_renderer(renderer_name, tokenizer)
+            return renderer.build_supervised_example(to_cookbook(conversation, renderer))[0]
+        except Exception:  # noqa: BLE001 - a renderer that cannot write tools: no tokens
+            return None
+
+    theirs, ours = written(renderers.NAME), written(name)
+    if theirs is None:  # the template itself cannot: keep the choice (the recipe will say why)
+        return name, why
     if ours is not None and ours.to_ints() == theirs.to_ints()[: ours.length]:
         return name, why
     return renderers.NAME, f"the model's own chat template, exactly: {name} writes tools otherwise"
