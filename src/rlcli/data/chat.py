@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from rlcli.data.trace_imports import shaping
 from rlcli.errors import RlcliError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -100,38 +101,27 @@ def check_conversation(row) -> str | None:
 
 
 def _calls(calls) -> list[dict] | None:
-    """OpenAI tool calls with their arguments as a JSON string; None if they are not calls."""
-    if not isinstance(calls, list):
+    """OpenAI tool calls as every importer writes them (``shaping.tool_calls``: arguments as a
+    JSON string); None if they are not calls."""
+    try:
+        return shaping.tool_calls(calls, "tool_calls") if isinstance(calls, list) else None
+    except shaping.FormatError:
         return None
-    out = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            return None
-        arguments = function.get("arguments", "{}")
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        one = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
-        if isinstance(call.get("id"), str):
-            one["id"] = call["id"]
-        out.append(one)
-    return out
 
 
 def _tool_specs(tools) -> list[dict] | None:
     """The row's tools as function specs (``{"name", "description", "parameters"}``, what the
-    cookbook's ``ToolSpec`` is); None if they are not."""
-    if not isinstance(tools, list):
+    cookbook's ``ToolSpec`` is), read as ``shaping.tool_definitions`` reads them; None if they
+    are not."""
+    try:
+        functions = [t["function"] for t in shaping.tool_definitions(tools, "tools")]
+    except shaping.FormatError:
         return None
-    out = []
-    for tool in tools:
-        spec = tool.get("function", tool) if isinstance(tool, dict) else None
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            return None
-        parameters = spec.get("parameters", {"type": "object", "properties": {}})
-        description = spec.get("description", "")
-        out.append({"name": spec["name"], "description": description, "parameters": parameters})
-    return out
+    if not all(isinstance(f.get("name"), str) for f in functions):
+        return None
+    empty = {"type": "object", "properties": {}}
+    return [{"name": f["name"], "description": f.get("description", ""),
+             "parameters": f.get("parameters", empty)} for f in functions]  # fmt: skip
 
 
 def read_jsonl(
