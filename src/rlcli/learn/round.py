@@ -160,7 +160,8 @@ def _plan(opts: LearnOptions, served: dict, say) -> dict:
             f"({len(usable)} with a right answer to train on); a round needs at least "
             f"{opts.min_traces} (--min-traces) and one with a correction or a good verdict"
         )
-    rows = _rows(method, usable if method != "rl" or not opts.reward else train, opts)
+    # a --reward grades any question; otherwise only traces with a right answer can be trained
+    rows = _rows(method, train if method == "rl" and opts.reward else usable, opts)
     if not rows:
         why = "no trace with a question to ask"
         if method == "dpo":
