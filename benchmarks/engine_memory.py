@@ -5,7 +5,8 @@ every layer, forward_backward + optim_step (the engine process's allocator setti
 shapes: ``sl``, 8 x 256-token rows, cross_entropy (``sft_step_smollm2.py``'s step); ``rl``, 4
 GSM8K-sized prompts (230 tokens) x 4 answers of 120-255 tokens, importance_sampling
 (``trl_peer.py --part rl``'s training half; random tokens: a step's work does not depend on
-them). Configurations: ``now`` (the defaults: 1024-token micro-batches, bf16 copies of what
+them). Configurations: ``now`` (the defaults: 512-token micro-batches since 2026-12-04, 1024
+in the receipt of 2026-12-04 02:22; bf16 copies of what
 the backward reads: ``server/engine/activations.py``) and ``before`` (4096-token
 micro-batches, float32 saved tensors: what a 23 GB machine's free memory gave). Peak RSS is
 the process's VmHWM after one step of ``now``, then after one step of ``before`` (which peaks
@@ -91,8 +92,7 @@ def child(model: Path, kind: str, steps: int) -> dict:
     allocator.keep_freed_memory()  # as the engine process does
     engine = Engine(str(model), device="cpu", dtype="bfloat16")
     engine.create_adapter("a", rank=32, seed=0)
-    # now: the default where free memory holds it (a machine short of memory takes fewer)
-    configs = {"now": (hardware.CPU_BF16_MICROBATCH_TOKENS, True), "before": (4096, False)}
+    configs = {"now": (hardware.CPU_MICROBATCH_TOKENS, True), "before": (4096, False)}
 
     def use(name: str) -> None:
         tokens, compact = configs[name]

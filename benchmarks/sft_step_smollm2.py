@@ -38,6 +38,7 @@ VARIANTS = {
     "no_checkpointing_mb4096": {"grad_checkpointing": False, "microbatch_tokens": 4096},
     "no_checkpointing_mb256": {"grad_checkpointing": False, "microbatch_tokens": 256},
     "checkpointing_mb512": {"grad_checkpointing": True, "microbatch_tokens": 512},
+    "no_checkpointing_mb512": {"grad_checkpointing": False, "microbatch_tokens": 512},
     "bf16": {"dtype": "bfloat16"},
 }
 

@@ -25,7 +25,6 @@ from rlcli.server.engine import attention, decode_step, fused_lora, losses, prec
 from rlcli.server.engine.adapter_states import AdapterStates
 from rlcli.server.engine.d2l import Hypernets
 from rlcli.server.engine.hardware import (
-    activation_bytes_per_token,
     checkpoint_above,
     pick_device,
     pick_dtype,
@@ -98,13 +97,7 @@ class Engine(Training, AdapterStates, SampleRequests):
         config = AutoConfig.from_pretrained(base_model)
         self.model = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
         self.model.to(self.device)
-        self.microbatch_tokens = pick_microbatch_tokens(
-            microbatch_tokens,
-            self.device,
-            activation_bytes_per_token(config),
-            decode_step.spare_memory() if self.device.type == "cpu" else 0,
-            self.dtype,
-        )
+        self.microbatch_tokens = pick_microbatch_tokens(microbatch_tokens, self.device)
         self.model.requires_grad_(False)
         # bf16 matmuls, float32 results: a LoRA update is not rounded away (precision.py)
         precision.mixed_precision(self.model)

@@ -11,11 +11,10 @@ import torch
 # Padded tokens per forward/backward pass: bounds activation memory (a 30-layer 135M model
 # holds about 2.7 MB per token for the backward pass in float32 without gradient
 # checkpointing, about half in bf16 (``activations.py``), about 0.1 MB with it). A GPU
-# checkpoints and takes the ceiling; a CPU does not checkpoint and takes the floor in float32,
-# ``CPU_BF16_MICROBATCH_TOKENS`` in bf16 (pick_microbatch_tokens).
-MICROBATCH_TOKENS = 4096  # the default's ceiling
-MIN_CPU_MICROBATCH_TOKENS = 512  # the CPU default's floor: an RL prompt and a 256-token answer
-CPU_BF16_MICROBATCH_TOKENS = 1024
+# checkpoints and takes ``MICROBATCH_TOKENS``; a CPU does not checkpoint and takes
+# ``CPU_MICROBATCH_TOKENS`` (pick_microbatch_tokens).
+MICROBATCH_TOKENS = 4096
+CPU_MICROBATCH_TOKENS = 512  # an RL prompt and a 256-token answer
 
 
 def pick_device(device: str) -> torch.device:
@@ -41,48 +40,21 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
-def pick_microbatch_tokens(
-    tokens: int | None,
-    device: torch.device,
-    token_bytes: int = 0,
-    spare_bytes: int = 0,
-    dtype: torch.dtype = torch.float32,
-) -> int:
+def pick_microbatch_tokens(tokens: int | None, device: torch.device) -> int:
     """``--microbatch-tokens``, or the device's default.
 
-    A GPU: ``MICROBATCH_TOKENS``, every micro-batch checkpointed (``checkpoint_above``). A
-    CPU does not checkpoint. In bf16 it takes ``CPU_BF16_MICROBATCH_TOKENS``, or fewer where
-    their activations (``token_bytes`` each, ``activation_bytes_per_token``) would not fit in
-    half of ``spare_bytes`` (memory free with the model loaded), in steps of 512 and at least
-    ``MIN_CPU_MICROBATCH_TOKENS``. A fixed size, not what free memory allows: the step's peak
-    is then the same on every machine (SmolLM2's 8 x 256-token SFT step peaked at 5.7 GB in
-    the 4096-token micro-batches a large machine gave it). In float32 it takes
-    ``MIN_CPU_MICROBATCH_TOKENS``: there 4096 gained ~1.1x (13.2 vs 11.8 s) for twice the
-    memory."""
+    A GPU: ``MICROBATCH_TOKENS``, every micro-batch checkpointed (``checkpoint_above``). A CPU
+    does not checkpoint and takes ``CPU_MICROBATCH_TOKENS`` in every dtype and on every machine,
+    so a step's peak is the same wherever it runs. Larger ones buy little on a CPU: SmolLM2's
+    8 x 256-token SFT step in bf16 took 7.8 s at 3.34 GB of engine peak in 1024-token
+    micro-batches and 8.8 s at 2.52 GB in 512-token ones (``sft_step_smollm2.json``); until
+    2026-12-04 bf16 took 1024, and until 2026-12-03 as many as half the free memory held, up to
+    4096 (5.7 GB on a 23 GB machine). In float32, 4096 gained ~1.1x for twice the memory."""
     if tokens is not None:
         if tokens < 1:
             raise ValueError(f"microbatch_tokens must be at least 1, got {tokens}")
         return tokens
-    if device.type != "cpu":
-        return MICROBATCH_TOKENS
-    if dtype == torch.float32:
-        return MIN_CPU_MICROBATCH_TOKENS
-    fits = spare_bytes // 2 // max(token_bytes, 1)
-    return int(min(CPU_BF16_MICROBATCH_TOKENS, max(MIN_CPU_MICROBATCH_TOKENS, fits // 512 * 512)))
-
-
-def activation_bytes_per_token(config) -> int:
-    """An estimate of what a training forward keeps for the backward, per token: float32
-    copies of ~12 hidden-wide and ~8 MLP-wide vectors per layer (the layers' float32
-    results, and peft's float32 casts of each LoRA input), and the output layer's float32
-    softmax (``logprobs.py``) with room for its temporaries. Measured on SmolLM2 (30 layers,
-    576 / 1536 wide, 49k vocabulary): 2.7 MB a token in bf16; this gives 2.7."""
-    config = getattr(config, "text_config", None) or config
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    wide = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
-    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    return (layers * (12 * hidden + 8 * wide) + 2 * vocab) * 4
+    return MICROBATCH_TOKENS if device.type != "cpu" else CPU_MICROBATCH_TOKENS
 
 
 def checkpoint_above(mode: bool | None, device: torch.device, microbatch_tokens: int) -> float:
