@@ -93,11 +93,15 @@ def pytest_make_collect_report(collector):  # a module that skips itself as a wh
 # The files that take longest (docs/testing.md), run first: pytest-xdist (pyproject's addopts,
 # `-n 3 --dist loadfile`) hands whole files to its workers in collection order, so a long file
 # collected last would leave one worker running it alone at the end.
-LONGEST_FIRST = [
-    "test_train_rl.py", "test_run_control.py", "test_train_opsd.py", "test_train_sl.py",
-    "test_skyrl_jax.py", "test_resume.py", "test_train_harbor.py", "test_bf16_rl.py",
-    "test_gguf_export.py", "test_eval.py", "test_train_dpo.py", "test_runs.py",
-    "test_checkpoints.py", "test_endpoint.py", "test_models.py", "test_export_offline.py",
+LONGEST_FIRST = [  # by their wall seconds in a -n 3 run (2026-12-04): 241 s ... 27 s
+    "test_skyrl_jax.py", "test_learn.py", "test_train_rl.py", "test_gguf_export.py",
+    "test_run_control.py", "test_train_sl.py", "test_checkpoints.py", "test_serve_cli.py",
+    "test_train_opsd.py", "test_resume.py", "test_bf16_rl.py", "test_decode_step.py",
+    "test_runs.py", "test_train_harbor.py", "test_safety.py", "test_demo.py",
+    "test_train_dpo.py", "test_traces.py", "test_estimate.py", "test_skyrl_backend.py",
+    "test_engine_death.py", "test_aliases.py", "test_renderers.py", "test_endpoint.py",
+    "test_generations.py", "test_tool_calls.py", "test_eval.py", "test_run_folders.py",
+    "test_internalize.py", "test_eval_harbor.py",
 ]  # fmt: skip
 
 
@@ -260,10 +264,23 @@ def service(server):
 
 @pytest.fixture(scope="session")
 def daemon():
-    """The Docker daemon the Harbor tests use (.ci/docker-up.sh starts one); skip without it."""
+    """The Docker daemon the Harbor tests use (.ci/docker-up.sh starts one); skip without it.
+    Under .ci/run the daemon may still be starting when the suite begins (its first start on a
+    fresh machine installs Docker and builds the base image): ``RLCLI_DOCKER_UP_STATUS`` names
+    the file docker-up's exit status lands in, and this waits for it."""
     from rlcli.errors import RlcliError
     from rlcli.harbor import docker
 
+    status = os.environ.get("RLCLI_DOCKER_UP_STATUS")
+    if status:
+        deadline = time.monotonic() + 900
+        while not Path(status).exists() and time.monotonic() < deadline:
+            time.sleep(1)
+        code = Path(status).read_text().strip() if Path(status).exists() else "still running"
+        if code != "0":
+            log = Path(status).with_suffix(".log")
+            tail = log.read_text()[-2000:] if log.exists() else ""
+            pytest.fail(f".ci/docker-up.sh did not bring the daemon up ({code}):\n{tail}")
     try:
         return docker.check_daemon()
     except RlcliError as e:

@@ -20,7 +20,12 @@ from rlcli.server.store import checkpoints
 
 if TYPE_CHECKING:
     from rlcli.server.engine.core import Engine
-    from rlcli.server.engine.sampling import SampleJob
+    from rlcli.server.engine.sample_job import SampleJob
+
+# The queue's control words besides the ops (both processes read them from here).
+READY = "__ready__"  # (READY, info) on the reply queue: the model is loaded
+CANCEL = "__cancel__"  # (CANCEL, request_id) on the request queue: the client went away
+PARTIAL = "partial"  # (request_id, PARTIAL, tokens) on the reply queue: a stream's new tokens
 
 
 @dataclass

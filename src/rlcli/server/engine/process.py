@@ -22,13 +22,11 @@ from typing import Any
 from rlcli.server.engine import allocator, ops
 from rlcli.server.engine.batcher import Batcher
 from rlcli.server.engine.core import Engine
+from rlcli.server.engine.ops import CANCEL, PARTIAL, READY
 from rlcli.server.errors import UserError
 
 log = logging.getLogger("rlcli.server")
 
-READY = "__ready__"
-CANCEL = "__cancel__"  # (CANCEL, request_id) on the request queue: the client went away
-PARTIAL = "partial"  # (request_id, PARTIAL, tokens) on the reply queue: a stream's new tokens
 # A sample request that starts a batch waits for others while they keep coming: until none
 # arrived for GATHER_IDLE_S, at most GATHER_MAX_S in all. Concurrent clients (an eval's 64
 # tasks, a step's rollouts) reach the queue spread over tens of ms; one prefill for them all is

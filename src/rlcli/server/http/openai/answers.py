@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import StreamingResponse
 
-from rlcli.server.engine.sampling import SampleJob
+from rlcli.server.engine.sample_job import SampleJob
 from rlcli.server.http.openai.text import ChatTokenizer, TextStream
 from rlcli.server.http.openai.tool_parsers import ToolCall, ToolParser, ToolText
 from rlcli.server.state.futures import Outcome

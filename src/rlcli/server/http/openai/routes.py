@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 
 from rlcli import trace_format
 from rlcli.server.engine import ops
-from rlcli.server.engine.sampling import SampleJob
+from rlcli.server.engine.sample_job import SampleJob
 from rlcli.server.http.openai import record, tool_parsers
 from rlcli.server.http.openai.answers import Answer, Plan, Stream, whole
 from rlcli.server.http.openai.schemas import ChatCompletion, Completion, OpenAIError

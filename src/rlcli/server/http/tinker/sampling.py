@@ -9,7 +9,7 @@ import numpy as np
 from fastapi import APIRouter, HTTPException
 
 from rlcli.server.engine import ops
-from rlcli.server.engine.sampling import SampleJob
+from rlcli.server.engine.sample_job import SampleJob
 from rlcli.server.http.openai import record
 from rlcli.server.http.tinker import generations
 from rlcli.server.http.tinker.checkpoints import resolve_checkpoint
