@@ -444,7 +444,10 @@ def test_a_judge_gates_the_round_pairwise(tmp_path, server, tiny_model, sums_jud
     verdicts = receipt["judge"]["held_out"]
     assert (verdicts["wins"], verdicts["ties"], verdicts["losses"]) == (n, 0, 0)
     assert verdicts["examples"][0]["verdicts"] == {"current_as_a": "B", "candidate_as_a": "A"}
-    assert len(sums_judge.asked) == 1 + 2 * n  # the check, then each question in both orders
+    regression = receipt["scores"]["regression"]["current"]["n"]  # round 1's held-out, frozen
+    asked = sums_judge.asked[2:]  # after the checks of the dry run and the round
+    assert len(asked) == 2 * (n + regression)  # each question in both orders:
+    assert sorted(asked) == sorted((q, b, a) for q, a, b in asked)  # (A, B), then (B, A)
     assert (
         alias_history(server, "sums")["log"][-1]["checkpoint"] == receipt["candidate"]["checkpoint"]
     )

@@ -120,8 +120,6 @@ def run_round(opts: LearnOptions, say: Callable[[str], None]) -> dict:
     url, source = endpoint.resolve_base_url(opts.base_url)
     endpoint.check_server(url, source=source)
     served = aliases.resolve(url, opts.alias)
-    if opts.judge:  # before anything is written: a dead or unknown judge is one line
-        judge.check(_judge(opts, url))
     with contextlib.ExitStack() as stack:
         if not opts.dry_run:
             stack.enter_context(locked(opts.alias))
@@ -140,6 +138,8 @@ def run_round(opts: LearnOptions, say: Callable[[str], None]) -> dict:
             return {**_read(folder / PLAN), "resuming": True}
         else:
             say(f"round {folder.name}: resuming where it stopped")
+            if opts.judge and not (folder / EVALUATED).exists():
+                judge.check(_judge(opts, url))
         return _finish(opts, url, folder, say)
 
 
@@ -198,6 +198,8 @@ def _plan(opts: LearnOptions, served: dict, say, url: str) -> dict:
         "seconds": {"data": round(time.time() - started, 2)},
         "_rows": rows,
     }
+    if opts.judge:  # once a round is due (not at each --watch look), before anything is written
+        judge.check(_judge(opts, url))
     say(
         f"round {number}: {len(new)} new judged traces: {len(rows)} to train on ({method}), "
         f"{len(held)} held out; alias {opts.alias} serves {served['checkpoint']}"
