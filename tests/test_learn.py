@@ -347,7 +347,7 @@ class SumsJudge:
     stand-in for "any OpenAI-compatible server" (``--judge-base-url``). Of the two answers in
     learn's prompt it names the one equal to the question's sum (``What is X + Y?``), and
     neither (an unreadable verdict: a tie) when both or none are; model ``broken`` answers
-    500, any model but those two 404, as OpenAI does."""
+    500, ``silent`` only after 3 s, any other model 404, as OpenAI does."""
 
     MODEL = "sums-judge"
 
@@ -380,6 +380,9 @@ class SumsJudge:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                if body["model"] == "silent":  # past the check's timeout (the test sets 1 s)
+                    time.sleep(3)
+                    return self.reply(500, {"error": {"message": "too late"}})
                 if body["model"] == "broken":
                     return self.reply(500, {"error": {"message": "the judge fell over"}})
                 if body["model"] != SumsJudge.MODEL:
@@ -481,10 +484,16 @@ def test_our_servers_model_as_the_judge(tmp_path, server, tiny_model):
     assert 1 <= len(verdicts["examples"]) <= 3
 
 
-def test_a_bad_judge_is_one_line_and_changes_nothing(tmp_path, server, tiny_model, sums_judge):
-    """Unreachable, answering errors, or not knowing the model: one line before any
-    training, no round folder, the alias as it was."""
+def test_a_bad_judge_is_one_line_and_changes_nothing(
+    tmp_path, server, tiny_model, sums_judge, monkeypatch
+):
+    """Unreachable, too slow (past the check's bounded timeout, 1 s here), answering errors,
+    or not knowing the model: one line before any training, no round folder, the alias as it
+    was."""
     from rlcli.demo.run import free_port
+    from rlcli.learn import judge
+
+    monkeypatch.setattr(judge, "CHECK_TIMEOUT_S", 1.0)  # cli() runs in this process
 
     home = tmp_path / "home"
     cli("alias", "set", "badjudge", str(tiny_model), "--base-url", server.base_url)
@@ -492,6 +501,8 @@ def test_a_bad_judge_is_one_line_and_changes_nothing(tmp_path, server, tiny_mode
     closed = f"http://127.0.0.1:{free_port()}"
     cases = [
         (("--judge", SumsJudge.MODEL, "--judge-base-url", closed), "no answer within"),
+        (("--judge", "silent", "--judge-base-url", sums_judge.url),
+         "no answer within 1 s (ReadTimeout)"),
         (("--judge", "broken", "--judge-base-url", sums_judge.url),
          "answered 500: the judge fell over"),
         (("--judge", "nosuch", "--judge-base-url", sums_judge.url),

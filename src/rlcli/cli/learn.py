@@ -170,16 +170,16 @@ def _show(result: dict, as_json: bool) -> None:
             as_json=False,
         )
         return
-    emit(
-        {
-            "round": result["round"],
-            "decision": result["decision"],
-            "why": result["why"],
-            "candidate": result["candidate"]["checkpoint"],
-            "seconds": result["seconds"],
-        },
-        as_json=False,
-    )
+    shown = {
+        "round": result["round"],
+        "decision": result["decision"],
+        "why": result["why"],
+        "candidate": result["candidate"]["checkpoint"],
+    }
+    for name, verdicts in (result.get("judge") or {}).items():
+        if isinstance(verdicts, dict):  # held_out, regression: the candidate's pairs
+            shown[f"judge {name}"] = "{wins} won, {ties} tied, {losses} lost".format(**verdicts)
+    emit(shown | {"seconds": result["seconds"]}, as_json=False)
 
 
 @app.command("status")

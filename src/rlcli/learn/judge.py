@@ -76,11 +76,13 @@ def _client(judge: Judge, timeout: float, retries: int):
     )  # fmt: skip
 
 
-def check(judge: Judge, timeout: float = CHECK_TIMEOUT_S) -> None:
+def check(judge: Judge, timeout: float | None = None) -> None:
     """One line unless the judge answers a first question (a short one, one verdict) within
-    ``timeout`` seconds: the server is reached, knows the model and answers no error."""
+    ``timeout`` seconds (``CHECK_TIMEOUT_S``): the server is reached, knows the model and
+    answers no error."""
     import openai
 
+    timeout = timeout or CHECK_TIMEOUT_S
     where = f"--judge {judge.model} at {judge.base_url}/v1"
     client = _client(judge, timeout, 0)
     try:
@@ -88,6 +90,11 @@ def check(judge: Judge, timeout: float = CHECK_TIMEOUT_S) -> None:
     except openai.APIConnectionError as e:  # refused, unresolvable, or past the timeout
         raise RlcliError(f"{where}: no answer within {timeout:g} s ({_cause(e)})") from None
     except openai.APIStatusError as e:
+        if e.status_code == 404 and not isinstance(e.body, dict):  # no OpenAI error: a web page
+            raise RlcliError(
+                f"{where}: the server answered 404 to /v1/chat/completions with no OpenAI "
+                "error: is it an OpenAI-compatible server? (check --judge-base-url)"
+            ) from None
         if e.status_code == 404:
             raise RlcliError(
                 f"{where}: the server does not know this model{_listed(client)}"
