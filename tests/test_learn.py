@@ -571,7 +571,9 @@ def test_watch_rounds_as_traces_arrive_and_stops_on_ctrl_c(tmp_path, server, tin
     arrive("b.jsonl", range(100, 112))
     wait_for(lambda: bool(metric_values(rounds / "002" / "run", "train_mean_nll").get(
         "train_mean_nll")), second)  # fmt: skip
-    stopped(second, tmp_path / "2.log")  # within a round, mid-training
+    out = stopped(second, tmp_path / "2.log")  # within a round, mid-training
+    last = out.strip().splitlines()[-1]  # the step under way saved, then: rerun learn
+    assert last.startswith("error: learn --alias watched: round 2 stopped in training"), last
     assert not (rounds / "002" / "receipt.json").exists()
     assert len(alias_history(server, "watched")["log"]) == 1 + promoted  # not half-promoted
 

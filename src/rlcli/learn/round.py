@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rlcli.errors import RlcliError
+from rlcli.errors import RlcliError, RunFailed
 from rlcli.files import atomic
 from rlcli.learn import gate, judge
 from rlcli.learn.folder import (
@@ -333,7 +333,19 @@ def _train(opts: LearnOptions, url: str, folder: Path, plan: dict, say) -> dict:
         f"round {plan['round']}: training ({plan['method']}) from "
         f"{plan['current'].get('state') or 'the base model'} ({rows} rows)"
     )
-    outcome = flow.train(recipes.get(plan["method"]), options, say=say)
+    try:
+        outcome = flow.train(recipes.get(plan["method"]), options, say=say)
+    except RunFailed as e:
+        if e.exit_code == 1:
+            raise
+        # a signal (Ctrl-C): the recipe's "Resume with: rlcli train ..." would finish the run
+        # but not the round; learn continues both
+        raise RlcliError(
+            f"learn --alias {opts.alias}: round {plan['round']} stopped in training "
+            f"({e.error}); the alias is unchanged. Run the same `rlcli learn` again to "
+            "continue the round from its last checkpoint",
+            exit_code=e.exit_code,
+        ) from None
     summary = outcome.summary or {}
     if not summary.get("sampler_path"):
         raise RlcliError(f"round {plan['round']}: training saved no sampler checkpoint")
