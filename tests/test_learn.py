@@ -337,3 +337,254 @@ def test_smollm2_learns_the_answer_format_from_corrections(tmp_path, smollm2_mod
         assert held["candidate"]["mean"] - held["current"]["mean"] >= 0.2, held
     finally:
         process.stop(server_home)
+
+
+# ---- --judge: the gate scored pairwise by a judge model ----------------------------------
+
+
+class SumsJudge:
+    """A scripted judge behind a small OpenAI-compatible HTTP server started by the test: a
+    stand-in for "any OpenAI-compatible server" (``--judge-base-url``). Of the two answers in
+    learn's prompt it names the one equal to the question's sum (``What is X + Y?``), and
+    neither (an unreadable verdict: a tie) when both or none are; model ``broken`` answers
+    500, ``silent`` only after 3 s, any other model 404, as OpenAI does."""
+
+    MODEL = "sums-judge"
+
+    def __init__(self):
+        import re
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from rlcli.learn.judge import PROMPT
+
+        pattern = re.escape(PROMPT).replace(r"\{question\}", "(.*)").replace(r"\{a\}", "(.*)")
+        shape = re.compile(pattern.replace(r"\{b\}", "(.*)"), re.DOTALL)
+        asked = self.asked = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self.reply(200, {"object": "list", "data": [
+                    {"id": SumsJudge.MODEL, "object": "model", "owned_by": "test"}]})  # fmt: skip
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                if body["model"] == "silent":  # past the check's timeout (the test sets 1 s)
+                    time.sleep(3)
+                    return self.reply(500, {"error": {"message": "too late"}})
+                if body["model"] == "broken":
+                    return self.reply(500, {"error": {"message": "the judge fell over"}})
+                if body["model"] != SumsJudge.MODEL:
+                    return self.reply(404, {"error": {"message": "no such model",
+                                                      "code": "model_not_found"}})  # fmt: skip
+                question, a, b = shape.fullmatch(body["messages"][-1]["content"]).groups()
+                asked.append((question, a, b))
+                x, y = map(int, re.search(r"(\d+) \+ (\d+)", question).groups())
+                right = [s.strip().rstrip(".") == str(x + y) for s in (a, b)]
+                verdict = {(True, False): "A", (False, True): "B"}.get(tuple(right), "either")
+                choice = {"index": 0, "message": {"role": "assistant", "content": verdict},
+                          "finish_reason": "stop"}  # fmt: skip
+                self.reply(200, {"id": "j", "object": "chat.completion", "created": 0,
+                                 "model": SumsJudge.MODEL, "choices": [choice]})  # fmt: skip
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def sums_judge():
+    judge = SumsJudge()
+    yield judge
+    judge.http.shutdown()
+
+
+def sums(path: Path, numbers: range, answer, prefix: str) -> Path:
+    """Judged traces of "What is i + (10 - i)?" (every sum 10, so the tiny model can learn it
+    in a round): a wrong answer, a score of 0 and ``answer(i)`` as the correction."""
+    rows = [{
+        "messages": [{"role": "user", "content": f"What is {i % 10} + {10 - i % 10}?"},
+                     {"role": "assistant", "content": "I do not know."}],
+        "feedback": [{"key": "correct", "score": 0, "correction": answer(i)}],
+        "origin": {"format": "langsmith", "trace_id": f"{prefix}-{i}", "call_id": "c"},
+    } for i in numbers]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_judge_gates_the_round_pairwise(tmp_path, server, tiny_model, sums_judge):
+    """``--judge`` on another OpenAI-compatible server: a round that taught the sum wins every
+    pair (promoted), a round on wrong sums loses them (refused, the alias unchanged); each
+    question asked in both orders; the verdicts in the receipt."""
+    home = tmp_path / "home"
+    assert (
+        cli("alias", "set", "sums", str(tiny_model), "--base-url", server.base_url).returncode == 0
+    )
+    judged = ["--alias", "sums", "--judge", SumsJudge.MODEL, "--judge-base-url", sums_judge.url,
+              "--batch-size", "4", "--json"]  # fmt: skip
+    data = sums(tmp_path / "right.jsonl", range(24), lambda i: "10", "right")
+    plan = json.loads(learn(home, server, *judged, "--traces", data, "--dry-run").stdout)
+    assert plan["judge"] == {"model": SumsJudge.MODEL, "base_url": sums_judge.url,
+                             "prompt": plan["judge"]["prompt"]}  # fmt: skip
+    done = learn(home, server, *judged, "--traces", data)
+    assert done.returncode == 0, done.stderr
+    receipt = json.loads(done.stdout)
+    held = receipt["scores"]["held_out"]
+    n = held["current"]["n"]
+    assert receipt["decision"] == "promoted", receipt["why"]
+    assert held["candidate"]["mean"] == 1.0 and held["current"]["mean"] == 0.0
+    verdicts = receipt["judge"]["held_out"]
+    assert (verdicts["wins"], verdicts["ties"], verdicts["losses"]) == (n, 0, 0)
+    assert verdicts["examples"][0]["verdicts"] == {"current_as_a": "B", "candidate_as_a": "A"}
+    regression = receipt["scores"]["regression"]["current"]["n"]  # round 1's held-out, frozen
+    asked = sums_judge.asked[2:]  # after the checks of the dry run and the round
+    assert len(asked) == 2 * (n + regression)  # each question in both orders:
+    assert sorted(asked) == sorted((q, b, a) for q, a, b in asked)  # (A, B), then (B, A)
+    assert (
+        alias_history(server, "sums")["log"][-1]["checkpoint"] == receipt["candidate"]["checkpoint"]
+    )
+
+    wrong = sums(tmp_path / "wrong.jsonl", range(100, 124), lambda i: str(i), "wrong")
+    refused = learn(home, server, *judged, "--traces", wrong)
+    assert refused.returncode == 0, refused.stderr
+    second = json.loads(refused.stdout)
+    assert second["decision"] == "refused", second["why"]
+    assert second["judge"]["held_out"]["wins"] == 0
+    assert second["judge"]["regression"]["losses"] > 0  # the frozen round-1 questions
+    log = alias_history(server, "sums")["log"]
+    assert log[-1]["checkpoint"] == receipt["candidate"]["checkpoint"]  # unchanged
+
+
+def test_our_servers_model_as_the_judge(tmp_path, server, tiny_model):
+    """``--judge`` naming the model the training server serves (no --judge-base-url): the
+    round completes and its receipt counts the verdicts (the tiny model's are mostly noise)."""
+    home = tmp_path / "home"
+    cli("alias", "set", "self", str(tiny_model), "--base-url", server.base_url)
+    data = sums(tmp_path / "t.jsonl", range(12), lambda i: "10", "self")
+    done = learn(home, server, "--alias", "self", "--traces", data, "--judge", str(tiny_model),
+                 "--epochs", "1", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    receipt = json.loads(done.stdout)
+    verdicts = receipt["judge"]["held_out"]
+    assert receipt["judge"]["model"] == str(tiny_model)
+    assert receipt["judge"]["base_url"] == server.base_url
+    n = receipt["scores"]["held_out"]["current"]["n"]
+    assert verdicts["wins"] + verdicts["ties"] + verdicts["losses"] == n > 0
+    assert 1 <= len(verdicts["examples"]) <= 3
+
+
+def test_a_bad_judge_is_one_line_and_changes_nothing(
+    tmp_path, server, tiny_model, sums_judge, monkeypatch
+):
+    """Unreachable, too slow (past the check's bounded timeout, 1 s here), answering errors,
+    or not knowing the model: one line before any training, no round folder, the alias as it
+    was."""
+    from rlcli.demo.run import free_port
+    from rlcli.learn import judge
+
+    monkeypatch.setattr(judge, "CHECK_TIMEOUT_S", 1.0)  # cli() runs in this process
+
+    home = tmp_path / "home"
+    cli("alias", "set", "badjudge", str(tiny_model), "--base-url", server.base_url)
+    data = sums(tmp_path / "t.jsonl", range(12), lambda i: "10", "bad")
+    closed = f"http://127.0.0.1:{free_port()}"
+    cases = [
+        (("--judge", SumsJudge.MODEL, "--judge-base-url", closed), "no answer within"),
+        (("--judge", "silent", "--judge-base-url", sums_judge.url),
+         "no answer within 1 s (ReadTimeout)"),
+        (("--judge", "broken", "--judge-base-url", sums_judge.url),
+         "answered 500: the judge fell over"),
+        (("--judge", "nosuch", "--judge-base-url", sums_judge.url),
+         f"does not know this model (it serves {SumsJudge.MODEL})"),
+        (("--judge", "nosuch"), "does not know this model"),  # our server's 404
+    ]  # fmt: skip
+    for args, expected in cases:
+        result = learn(home, server, "--alias", "badjudge", "--traces", data, *args)
+        assert result.returncode == 1 and result.stderr.count("\n") == 1, (args, result.stderr)
+        assert expected in result.stderr, (args, result.stderr)
+    assert not list((home / "learn" / "badjudge").glob("0*"))
+    assert len(alias_history(server, "badjudge")["log"]) == 1
+
+
+# ---- --watch -------------------------------------------------------------------------------
+
+
+def test_watch_rounds_as_traces_arrive_and_stops_on_ctrl_c(tmp_path, server, tiny_model):
+    """``learn --watch`` in a subprocess: it waits on an empty folder, runs a round when judged
+    traces arrive, and Ctrl-C while it waits again, or in the middle of the next round's
+    training, stops it cleanly (exit 130, no receipt, the alias as the last finished round
+    left it); a rerun finishes the interrupted round, each training step once, and trains
+    nothing twice."""
+    from rlcli.runs.runner import metric_values
+
+    home, folder = tmp_path / "home", tmp_path / "arriving"
+    folder.mkdir()
+    cli("alias", "set", "watched", str(tiny_model), "--base-url", server.base_url)
+    rounds = home / "learn" / "watched"
+
+    def watch(log: Path) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "rlcli.cli.main", "learn", "--alias", "watched",
+                "--traces", str(folder), "--base-url", server.base_url, *FAST, "--batch-size",
+                "4", "--watch", "--min-traces", "8", "--every", "0.2", "--json"]  # fmt: skip
+        env = {**os.environ, "RLCLI_HOME": str(home)}
+        return subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+    def arrive(name: str, numbers: range) -> None:
+        staged = traces(tmp_path / name, numbers, lambda i: "zebra", name)
+        staged.rename(folder / name)  # whole, as an importer's finished file appears
+
+    def wait_for(ready, proc: subprocess.Popen, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert proc.poll() is None, "learn --watch ended early"
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+    def stopped(proc: subprocess.Popen, log: Path) -> str:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(120) == 130, log.read_text()[-2000:]
+        return log.read_text()
+
+    first = watch(tmp_path / "1.log")
+    wait_for(lambda: "waiting: " in (tmp_path / "1.log").read_text(), first)  # nothing yet
+    arrive("a.jsonl", range(12))
+    wait_for(lambda: (rounds / "001" / "receipt.json").exists(), first)
+    wait_for(lambda: (tmp_path / "1.log").read_text().count("waiting: ") >= 2, first)
+    out = stopped(first, tmp_path / "1.log")  # between rounds
+    assert out.strip().splitlines()[-1].startswith("error: learn --watch: stopped"), out[-2000:]
+    receipt = json.loads((rounds / "001" / "receipt.json").read_text())
+    promoted = receipt["decision"] == "promoted"
+    assert len(alias_history(server, "watched")["log"]) == 1 + promoted
+
+    second = watch(tmp_path / "2.log")
+    arrive("b.jsonl", range(100, 112))
+    wait_for(lambda: bool(metric_values(rounds / "002" / "run", "train_mean_nll").get(
+        "train_mean_nll")), second)  # fmt: skip
+    out = stopped(second, tmp_path / "2.log")  # within a round, mid-training
+    last = out.strip().splitlines()[-1]  # the step under way saved, then: rerun learn
+    assert last.startswith("error: learn --alias watched: round 2 stopped in training"), last
+    assert not (rounds / "002" / "receipt.json").exists()
+    assert len(alias_history(server, "watched")["log"]) == 1 + promoted  # not half-promoted
+
+    rerun = learn(home, server, "--alias", "watched", "--traces", folder, "--batch-size", "4",
+                  "--json")  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr
+    assert json.loads(rerun.stdout)["round"] == 2
+    plan = json.loads((rounds / "002" / "plan.json").read_text())
+    steps = metric_values(rounds / "002" / "run", "train_mean_nll")["train_mean_nll"]
+    rows = plan["traces"]["trained_on"]
+    assert len(steps) == 2 * (rows // min(4, rows))  # each step once, across Ctrl-C and rerun
+    again = learn(home, server, "--alias", "watched", "--traces", folder)
+    assert again.returncode == 1 and "0 judged traces not used before" in again.stderr
+    assert sorted(p.name for p in rounds.glob("0*")) == ["001", "002"]

@@ -68,6 +68,23 @@ def learn(
         "reference=...) -> float, instead of matching the right answer: it scores the gate's "
         "answers and, with --method rl, the rollouts.",
     ),
+    judge: str = typer.Option(
+        None,
+        "--judge",
+        help="A model that scores the gate pairwise instead: for each held-out and regression "
+        "question it picks the better of the current and the candidate answer, asked in both "
+        "orders (a split or unreadable verdict is a tie); candidate 1 / 0.5 / 0 a question.",
+    ),
+    judge_base_url: str = typer.Option(
+        None,
+        "--judge-base-url",
+        help="The judge's OpenAI-compatible server (default: the server learn trains on).",
+    ),
+    judge_api_key: str = typer.Option(
+        None,
+        "--judge-api-key",
+        help="The judge server's API key (default: $OPENAI_API_KEY, else this server's key).",
+    ),
     epochs: int = typer.Option(
         3, "--epochs", min=1, help="Passes over a round's rows (rl: over its prompts)."
     ),
@@ -118,6 +135,9 @@ def learn(
         max_tokens=max_tokens,
         seed=seed,
         dry_run=dry_run,
+        judge=judge,
+        judge_base_url=judge_base_url,
+        judge_api_key=judge_api_key,
     )
     if not watch:
         _show(run_round(opts, info), as_json)
@@ -150,16 +170,16 @@ def _show(result: dict, as_json: bool) -> None:
             as_json=False,
         )
         return
-    emit(
-        {
-            "round": result["round"],
-            "decision": result["decision"],
-            "why": result["why"],
-            "candidate": result["candidate"]["checkpoint"],
-            "seconds": result["seconds"],
-        },
-        as_json=False,
-    )
+    shown = {
+        "round": result["round"],
+        "decision": result["decision"],
+        "why": result["why"],
+        "candidate": result["candidate"]["checkpoint"],
+    }
+    for name, verdicts in (result.get("judge") or {}).items():
+        if isinstance(verdicts, dict):  # held_out, regression: the candidate's pairs
+            shown[f"judge {name}"] = "{wins} won, {ties} tied, {losses} lost".format(**verdicts)
+    emit(shown | {"seconds": result["seconds"]}, as_json=False)
 
 
 @app.command("status")

@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rlcli.errors import RlcliError
+from rlcli.errors import RlcliError, RunFailed
 from rlcli.files import atomic
-from rlcli.learn import gate
+from rlcli.learn import gate, judge
 from rlcli.learn.folder import (
     EVALUATED,
     LOCK,
@@ -75,6 +75,9 @@ class LearnOptions:
     max_tokens: int = 64
     seed: int = 0
     dry_run: bool = False
+    judge: str | None = None  # a model that scores the gate pairwise (learn/judge.py)
+    judge_base_url: str | None = None  # its OpenAI-compatible server (default: base_url's)
+    judge_api_key: str | None = None  # default: $OPENAI_API_KEY, else our server's key
 
 
 def _read(path: Path) -> dict:
@@ -122,7 +125,7 @@ def run_round(opts: LearnOptions, say: Callable[[str], None]) -> dict:
             stack.enter_context(locked(opts.alias))
         folder = _unfinished(opts.alias)
         if folder is None:
-            plan = _plan(opts, served, say)
+            plan = _plan(opts, served, say, url)
             if opts.dry_run:
                 return plan
             folder = learn_dir(opts.alias) / f"{plan['round']:03d}"
@@ -135,7 +138,13 @@ def run_round(opts: LearnOptions, say: Callable[[str], None]) -> dict:
             return {**_read(folder / PLAN), "resuming": True}
         else:
             say(f"round {folder.name}: resuming where it stopped")
+            if opts.judge and not (folder / EVALUATED).exists():
+                judge.check(_judge(opts, url))
         return _finish(opts, url, folder, say)
+
+
+def _judge(opts: LearnOptions, url: str) -> judge.Judge:
+    return judge.make(opts.judge, opts.judge_base_url, opts.judge_api_key, url)
 
 
 def _unfinished(alias: str) -> Path | None:
@@ -143,7 +152,7 @@ def _unfinished(alias: str) -> Path | None:
     return done[-1] if done and not (done[-1] / RECEIPT).exists() else None
 
 
-def _plan(opts: LearnOptions, served: dict, say) -> dict:
+def _plan(opts: LearnOptions, served: dict, say, url: str) -> dict:
     started = time.time()
     found = read_traces(opts.traces) if opts.traces else None
     if found is None:
@@ -184,10 +193,13 @@ def _plan(opts: LearnOptions, served: dict, say) -> dict:
         "train_ids": [t.id for t in train],
         "held_out": [_keep(t) for t in held],
         "data_sha256": _digest(rows),
-        "options": asdict(opts),
+        "options": {k: v for k, v in asdict(opts).items() if k != "judge_api_key"},
+        "judge": _judge(opts, url).describe() if opts.judge else None,
         "seconds": {"data": round(time.time() - started, 2)},
         "_rows": rows,
     }
+    if opts.judge:  # once a round is due (not at each --watch look), before anything is written
+        judge.check(_judge(opts, url))
     say(
         f"round {number}: {len(new)} new judged traces: {len(rows)} to train on ({method}), "
         f"{len(held)} held out; alias {opts.alias} serves {served['checkpoint']}"
@@ -258,17 +270,18 @@ def _write_regression(opts: LearnOptions, plan: dict) -> None:
     path = learn_dir(opts.alias) / REGRESSION
     if path.exists():
         return
-    if opts.regression:
-        kept = [_keep(t) for t in read_traces([opts.regression]).traces if t.target]
+    if opts.regression:  # all of them: a judge or a reward needs no right answer
+        kept = [_keep(t) for t in read_traces([opts.regression]).traces]
     else:
-        kept = [t for t in plan["held_out"] if t["target"]]
+        kept = plan["held_out"]
     with atomic.replacing(path, fsync=True) as tmp:
         tmp.write_text("".join(json.dumps(t) + "\n" for t in kept))
 
 
 def _held_out_pool(alias: str, graded: bool = False) -> list[dict]:
     """Every held-out trace with a right answer, of every round so far (never trained on);
-    ``graded`` (an rl round with ``--reward``): every held-out trace, the reward scores it."""
+    ``graded`` (a ``--judge``, or an rl round with ``--reward``): every held-out trace, the
+    judge or the reward scores it."""
     pool = []
     for folder in rounds(alias):
         pool += [t for t in _read(folder / PLAN)["held_out"] if t["target"] or graded]
@@ -320,7 +333,19 @@ def _train(opts: LearnOptions, url: str, folder: Path, plan: dict, say) -> dict:
         f"round {plan['round']}: training ({plan['method']}) from "
         f"{plan['current'].get('state') or 'the base model'} ({rows} rows)"
     )
-    outcome = flow.train(recipes.get(plan["method"]), options, say=say)
+    try:
+        outcome = flow.train(recipes.get(plan["method"]), options, say=say)
+    except RunFailed as e:
+        if e.exit_code == 1:
+            raise
+        # a signal (Ctrl-C): the recipe's "Resume with: rlcli train ..." would finish the run
+        # but not the round; learn continues both
+        raise RlcliError(
+            f"learn --alias {opts.alias}: round {plan['round']} stopped in training "
+            f"({e.error}); the alias is unchanged. Run the same `rlcli learn` again to "
+            "continue the round from its last checkpoint",
+            exit_code=e.exit_code,
+        ) from None
     summary = outcome.summary or {}
     if not summary.get("sampler_path"):
         raise RlcliError(f"round {plan['round']}: training saved no sampler checkpoint")
@@ -334,9 +359,12 @@ def _evaluate(opts: LearnOptions, url: str, plan: dict, trained: dict, say) -> d
         "current": plan["current"]["checkpoint"],
         "candidate": trained["summary"]["sampler_path"],
     }
-    graded = plan["method"] == "rl" and reward is not None
+    judged_by = _judge(opts, url) if opts.judge else None
+    graded = judged_by is not None or (plan["method"] == "rl" and reward is not None)
     sets = {"held_out": _held_out_pool(opts.alias, graded)}
-    regression = _read_lines(learn_dir(opts.alias) / REGRESSION)
+    regression = [
+        t for t in _read_lines(learn_dir(opts.alias) / REGRESSION) if t["target"] or graded
+    ]
     if regression:
         sets["regression"] = regression
     out: dict = {"seconds": 0.0}
@@ -345,15 +373,29 @@ def _evaluate(opts: LearnOptions, url: str, plan: dict, trained: dict, say) -> d
             continue
         prompts = [t["prompt"] for t in items]
         targets = [t["target"] for t in items]
+        questions = [_question(p) for p in prompts]
         result = {"ids": [t["id"] for t in items]}
-        scored = {}
+        given = {}
         for side, model in sides.items():
             say(f"round {plan['round']}: {name}: {len(items)} answers from the {side} adapter")
-            given = gate.answers(url, model, prompts, opts.max_tokens)
-            scored[side] = gate.score_all(given, targets, reward, [_question(p) for p in prompts])
+            given[side] = gate.answers(url, model, prompts, opts.max_tokens)
+        if judged_by is not None:
+            say(f"round {plan['round']}: {name}: {judged_by.model} judges {len(items)} pairs")
+            shown = [judge.conversation(p) for p in prompts]
+            verdicts = judge.compare(judged_by, shown, given["current"], given["candidate"])
+            result["judge"] = verdicts | {
+                "examples": judge.examples(verdicts, shown, given["current"], given["candidate"])
+            }
+            won = verdicts["scores"]
+            scored = {"current": gate.Scores([1 - s for s in won]), "candidate": gate.Scores(won)}
+        else:
+            scored = {
+                side: gate.score_all(given[side], targets, reward, questions) for side in sides
+            }
+        for side in sides:
             result[side] = {
                 **scored[side].summary(),
-                "answers": given,
+                "answers": given[side],
                 "scores": scored[side].values,
             }
         result["difference"] = gate.paired(scored["current"], scored["candidate"])
@@ -395,7 +437,8 @@ def _promote(opts, url, folder: Path, plan, trained, evaluated, say) -> dict:
     started = time.time()
     held = evaluated.get("held_out")
     if held is None:
-        promote, why = False, "no held-out trace with a right answer yet: nothing to judge by"
+        what = "trace" if opts.judge else "trace with a right answer"
+        promote, why = False, f"no held-out {what} yet: nothing to judge by"
     else:
         promote, why = gate.decide(
             held, evaluated.get("regression"), opts.margin, opts.max_regression
@@ -450,6 +493,21 @@ def _promote(opts, url, folder: Path, plan, trained, evaluated, say) -> dict:
             if name in evaluated
         },
         "gate": {"margin": opts.margin, "max_regression": opts.max_regression},
+        "judge": _verdicts(plan, evaluated),
         "seconds": seconds,
         "finished": time.time(),
     }
+
+
+def _verdicts(plan: dict, evaluated: dict) -> dict | None:
+    """The judge's verdicts for the receipt: counts and a few examples per set (all of them
+    are in ``evaluated.json``)."""
+    sets = {
+        n: evaluated[n]["judge"]
+        for n in ("held_out", "regression")
+        if "judge" in evaluated.get(n, {})
+    }
+    if not sets:
+        return None
+    keep = ("wins", "ties", "losses", "unreadable", "split", "examples")
+    return {**(plan.get("judge") or {}), **{n: {k: v[k] for k in keep} for n, v in sets.items()}}
