@@ -256,11 +256,17 @@ def _pct(summary: dict) -> str:
 # ---- the demo: a server, a run folder, the receipt and the plot -----------------------------
 
 
-def run_loop_demo(config, home: Path, report: Callable[[str], None]) -> dict:
+def run_loop_demo(
+    config,
+    home: Path,
+    report: Callable[[str], None],
+    on_round: Callable[[dict], None] | None = None,
+) -> dict:
     """``rlcli demo --loop``: a capturing server of the demo's model, ``run_loop`` on it, the
     run folder (``runs list`` shows it: one row per round), ``receipt.json`` and ``scores.png``
     in it. The server is stopped on the way out whatever happens; Ctrl-C before the first
-    round ends leaves no run folder (nor the alias's learn folder)."""
+    round ends leaves no run folder (nor the alias's learn folder). ``on_round``: each round's
+    row as it ends (the benchmark writes its receipt as it goes)."""
     import dataclasses
     import logging
 
@@ -299,6 +305,8 @@ def run_loop_demo(config, home: Path, report: Callable[[str], None]) -> dict:
             "held_out": row["held_out_served_after"], "decision": row["decision"],
             "seconds": sum(row["seconds"].values()),
         })  # fmt: skip
+        if on_round is not None:
+            on_round(row)
 
     try:
         with _interruptible(), contextlib.ExitStack() as cleanup:
