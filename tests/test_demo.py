@@ -213,3 +213,26 @@ def test_demo_loop_refuses_the_sft_rl_demos_step_flags(tmp_path):
         "error: demo --loop: --steps size the SFT/RL demo; the loop's work is --rounds, "
         "--questions and --epochs"
     ]
+
+
+def test_demo_loop_ctrl_c_before_a_round_ends_leaves_no_folder(tmp_path, tiny_model):
+    """SIGINT while the first round's verdicts are posted: the server stopped, no run folder,
+    no learn folder, nothing for `runs list`."""
+    home, run_dir = tmp_path / "home", tmp_path / "run"
+    err = tmp_path / "stderr.txt"
+    args = ("demo", "--loop", "--base-model", str(tiny_model), "--questions", "8")
+    with err.open("w") as out:
+        proc = subprocess.Popen(
+            [*RLCLI, *args, "--log-path", str(run_dir)], stderr=out, stdout=subprocess.DEVNULL,
+            env={**os.environ, "RLCLI_HOME": str(home)},
+        )  # fmt: skip
+        deadline = time.monotonic() + 300
+        while "round 1: the judge posts" not in err.read_text() and proc.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, err.read_text()[-3000:]
+    assert "server stopped" in err.read_text()
+    assert not (home / "demo" / "server.json").exists()
+    assert not run_dir.exists() and not list((home / "learn").glob("*"))
+    assert json.loads(cli("runs", "list", "--json", env={"RLCLI_HOME": str(home)}).stdout) == []
