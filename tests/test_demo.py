@@ -197,7 +197,7 @@ def test_demo_loop_captures_judges_learns_gates_and_refuses_the_shuffled_round(
     assert Path(out["plot"]) == run_dir / "scores.png"
     assert (run_dir / "scores.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     screen = summary_lines(out)
-    assert out["verdict"]["says"] in screen and screen[-2] == f"receipt: {run_dir / 'receipt.json'}"
+    assert out["verdict"]["says"] in screen and screen[-1] == f"receipt: {run_dir / 'receipt.json'}"
     listed = json.loads(cli("runs", "list", "--json", env=env).stdout)
     mine = [r for r in listed if r["run_dir"] == str(run_dir)]
     assert [(r["kind"], r["status"], r["steps_done"], r["last_metric"]) for r in mine] == [

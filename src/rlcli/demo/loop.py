@@ -395,7 +395,7 @@ def summary_lines(out: dict) -> list[str]:
         out["verdict"]["says"],
         out["verdict"]["gate_says"],
         f"plot:    {out['plot']}",
-        f"receipt: {out['receipt']}",
         f"took:    {out['seconds']:.0f}s",
+        f"receipt: {out['receipt']}",
     ]
     return lines
