@@ -60,7 +60,9 @@ class DemoConfig:
         None, "SFT steps (default: from --minutes).", flags=("--steps",), min=1
     )
     rl_steps: int | None = option(None, "RL steps (default: from --minutes).", min=0)
-    sft_lr: float = option(1e-3, "SFT learning rate.", flags=("--lr",), gt=0)
+    sft_lr: float = option(
+        1e-3, "SFT learning rate (--loop: each learn round's).", flags=("--lr",), gt=0
+    )
     rl_lr: float = option(2e-4, "RL learning rate.", gt=0)
     lora_rank: int = option(16, "LoRA rank.", min=1)
     sft_batch: int = option(8, "Conversations per SFT step.", min=1)
@@ -80,7 +82,7 @@ class DemoConfig:
     )
     rounds: int = option(3, "--loop: learn rounds (then the shuffled one).", min=1)
     questions: int = option(24, "--loop: additions asked per round.", min=4)
-    epochs: int = option(3, "--loop: passes over each round's traces (--lr: its rate).", min=1)
+    epochs: int = option(3, "--loop: passes over each round's traces.", min=1)
     json: bool = option(False, "Print the result as JSON.", saved=False)
 
 
