@@ -182,12 +182,12 @@ def run_loop(
         if on_round is not None:
             on_round(row)
         if number == settings.rounds:  # before the shuffled round: what the loop learned
-            out["held_out_all"] = _held_out_all(base_url, model, alias)
+            out["held_out_all"] = _held_out_all(base_url, model, alias, say)
     out["verdict"] = verdict(out)
     return out
 
 
-def _held_out_all(base_url: str, model: str, alias: str) -> dict:
+def _held_out_all(base_url: str, model: str, alias: str, say: Callable[[str], None]) -> dict:
     """The base model and the served alias on every held-out question so far (the honest
     rounds': none was trained on, and their right answers are right)."""
     from rlcli.client import aliases
@@ -201,6 +201,7 @@ def _held_out_all(base_url: str, model: str, alias: str) -> dict:
         return {"questions": 0}
     prompts, targets = [t["prompt"] for t in pool], [t["target"] for t in pool]
     served = aliases.resolve(base_url, alias)["checkpoint"]
+    say(f"all {len(pool)} held-out questions so far: the base model against the served alias")
     before = gate.score_all(gate.answers(base_url, model, prompts, MAX_TOKENS), targets, None, [])
     after = before
     if served != model:
