@@ -154,3 +154,85 @@ def test_the_verdict_says_whether_the_reward_rose():
     assert fell["rose"] is False and fell["says"].startswith("did not rise: 0.53 -> 0.41")
     assert "not a result" in fell["says"]
     assert verdict([0.2, 0.9])["rose"] is None
+
+
+def test_demo_loop_captures_judges_learns_gates_and_refuses_the_shuffled_round(
+    tmp_path, tiny_model
+):
+    """``demo --loop`` in its smallest setting: questions asked of the alias through /v1 and
+    captured, the judge's verdicts posted to /v1/feedback, one learn round through the gate,
+    the shuffled round refused; the receipt, the plot and the run record. The tiny model
+    learns no sums, and the summary says so."""
+    from rlcli import trace_format
+    from rlcli.demo.loop import JUDGE, summary_lines
+
+    home, run_dir = tmp_path / "home", tmp_path / "run"
+    env = {"RLCLI_HOME": str(home)}
+    result = cli(
+        "demo", "--loop", "--base-model", str(tiny_model), "--rounds", "1", "--questions", "8",
+        "--epochs", "1", "--log-path", str(run_dir), "--json", env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    first, shuffled = out["rounds"]
+    assert (first["shuffled_verdicts"], shuffled["shuffled_verdicts"]) == (False, True)
+    assert first["traces"]["new"] == shuffled["traces"]["new"] == 8
+    assert shuffled["traces"]["already_used"] == 8  # round 1's traces are not trained twice
+    assert first["decision"] in ("promoted", "refused") and first["why"]
+    assert shuffled["decision"] == "refused" and out["verdict"]["shuffled_refused"]
+    # (held out by a hash of random trace ids: 8 questions may hold out none, and it says so)
+    assert out["verdict"]["gate_says"] == f"shuffled round refused: {shuffled['why']}"
+    # the traces came through /v1 into the capture folder, each with the judge's verdict
+    capture = Path(out["capture"])
+    verdicts = list(trace_format.read(capture, trace_format.FEEDBACK))
+    assert len(verdicts) == 16 and {v["source"] for v in verdicts} == {JUDGE}
+    traced = {t["id"] for t in trace_format.read(capture, trace_format.TRACES)}
+    assert {v["run_id"] for v in verdicts} <= traced
+    learn_dir = Path(out["learn_dir"])
+    assert [json.loads((learn_dir / n / "receipt.json").read_text())["decision"]
+            for n in ("001", "002")] == [first["decision"], "refused"]  # fmt: skip
+    # the tiny model learns no sums: said plainly, not drawn as a success
+    assert not out["verdict"]["learned"] and out["verdict"]["says"].startswith("did not learn")
+    assert json.loads((run_dir / "receipt.json").read_text())["verdict"] == out["verdict"]
+    assert Path(out["plot"]) == run_dir / "scores.png"
+    assert (run_dir / "scores.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    screen = summary_lines(out)
+    assert out["verdict"]["says"] in screen and screen[-1] == f"receipt: {run_dir / 'receipt.json'}"
+    listed = json.loads(cli("runs", "list", "--json", env=env).stdout)
+    mine = [r for r in listed if r["run_dir"] == str(run_dir)]
+    assert [(r["kind"], r["status"], r["steps_done"], r["last_metric"]) for r in mine] == [
+        ("demo", "finished", 2, "held-out score")
+    ]
+    assert "server stopped" in result.stderr and not (home / "demo" / "server.json").exists()
+
+
+def test_demo_loop_refuses_the_sft_rl_demos_step_flags(tmp_path):
+    result = cli("demo", "--loop", "--steps", "2", env={"RLCLI_HOME": str(tmp_path)})
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: demo --loop: --steps size the SFT/RL demo; the loop's work is --rounds, "
+        "--questions and --epochs"
+    ]
+
+
+def test_demo_loop_ctrl_c_before_a_round_ends_leaves_no_folder(tmp_path, tiny_model):
+    """SIGINT while the first round's verdicts are posted: the server stopped, no run folder,
+    no learn folder, nothing for `runs list`."""
+    home, run_dir = tmp_path / "home", tmp_path / "run"
+    err = tmp_path / "stderr.txt"
+    args = ("demo", "--loop", "--base-model", str(tiny_model), "--questions", "8")
+    with err.open("w") as out:
+        proc = subprocess.Popen(
+            [*RLCLI, *args, "--log-path", str(run_dir)], stderr=out, stdout=subprocess.DEVNULL,
+            env={**os.environ, "RLCLI_HOME": str(home)},
+        )  # fmt: skip
+        deadline = time.monotonic() + 300
+        while "round 1: the judge posts" not in err.read_text() and proc.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, err.read_text()[-3000:]
+    assert "server stopped" in err.read_text()
+    assert not (home / "demo" / "server.json").exists()
+    assert not run_dir.exists() and not list((home / "learn").glob("*"))
+    assert json.loads(cli("runs", "list", "--json", env={"RLCLI_HOME": str(home)}).stdout) == []

@@ -15,6 +15,9 @@ def demo(config) -> None:
     from rlcli.home import rlcli_home
 
     as_json = config.json
+    if config.loop:
+        _loop(config, rlcli_home())
+        return
     result = run_demo(config, rlcli_home(), report=info)
     summary = result.summary()
     if as_json:
@@ -37,6 +40,24 @@ def demo(config) -> None:
         },
         as_json=False,
     )
+
+
+def _loop(config, home) -> None:
+    from rlcli.demo.loop import run_loop_demo, summary_lines
+    from rlcli.errors import RlcliError
+
+    sizes = (("--steps", config.sft_steps), ("--rl-steps", config.rl_steps))
+    given = [flag for flag, value in sizes if value is not None]
+    if given:
+        raise RlcliError(
+            f"demo --loop: {' and '.join(given)} size the SFT/RL demo; the loop's work is "
+            "--rounds, --questions and --epochs"
+        )
+    out = run_loop_demo(config, home, report=info)
+    if config.json:
+        emit(out, as_json=True)
+        return
+    print("\n".join(summary_lines(out)))
 
 
 def _arrow(values: list[float], fmt: str) -> str:

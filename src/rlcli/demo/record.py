@@ -3,8 +3,8 @@
 The folder is made when the first step is about to run (not before: a demo stopped while its
 model converts or its server starts leaves nothing behind) and holds the run's record
 (``rlcli_run.json``: running, then finished / interrupted / failed), its lock while it runs,
-and a ``metrics.jsonl`` row per SFT and RL step. A demo stopped before its first step was
-recorded removes the folder it made.
+and a ``metrics.jsonl`` row per SFT and RL step (``--loop``: per learn round). A demo stopped
+before its first step was recorded removes the folder it made.
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ from rlcli.runs.folder import METRICS_FILE
 class DemoFolder:
     """``open`` once the steps start, ``row`` per step, ``close`` with how it ended."""
 
-    def __init__(self, run_dir: Path, model: str, total_steps: int) -> None:
+    def __init__(
+        self, run_dir: Path, model: str, total_steps: int, options: dict | None = None
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.model, self.total_steps = model, total_steps
+        self.options = {"model": model, **(options or {})}
         self.made = False  # this demo created the folder (so may remove it)
         self.record: dict | None = None
         self.rows = 0
@@ -38,7 +41,7 @@ class DemoFolder:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         runner.lock_run_dir(self.run_dir)
         (self.run_dir / METRICS_FILE).unlink(missing_ok=True)  # a demo folder reused
-        spec = {"recipe": "demo", "options": {"model": self.model}}
+        spec = {"recipe": "demo", "options": self.options}
         self.record = runner.start_record(self.run_dir, spec, self.total_steps, None)
 
     def row(self, metrics: dict) -> None:

@@ -60,7 +60,9 @@ class DemoConfig:
         None, "SFT steps (default: from --minutes).", flags=("--steps",), min=1
     )
     rl_steps: int | None = option(None, "RL steps (default: from --minutes).", min=0)
-    sft_lr: float = option(1e-3, "SFT learning rate.", flags=("--lr",), gt=0)
+    sft_lr: float = option(
+        1e-3, "SFT learning rate (--loop: each learn round's).", flags=("--lr",), gt=0
+    )
     rl_lr: float = option(2e-4, "RL learning rate.", gt=0)
     lora_rank: int = option(16, "LoRA rank.", min=1)
     sft_batch: int = option(8, "Conversations per SFT step.", min=1)
@@ -72,6 +74,15 @@ class DemoConfig:
     seed: int = option(0, "Seed of the data order and the LoRA initialisation.")
     log_path: str | None = option(None, "Run folder (default: $RLCLI_HOME/runs/demo-<time>).")
     dtype: str = option("auto", "The server's dtype.", choices=("auto", "float32", "bfloat16"))
+    loop: bool = option(
+        False,
+        "The continual-learning loop instead: additions asked through /v1 with capture on, "
+        "a scripted judge's verdicts to /v1/feedback, --rounds learn rounds through the gate, "
+        "then a round on shuffled verdicts the gate must refuse (demo/loop.py).",
+    )
+    rounds: int = option(3, "--loop: learn rounds (then the shuffled one).", min=1)
+    questions: int = option(24, "--loop: additions asked per round.", min=4)
+    epochs: int = option(3, "--loop: passes over each round's traces.", min=1)
     json: bool = option(False, "Print the result as JSON.", saved=False)
 
 

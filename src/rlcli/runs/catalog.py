@@ -55,7 +55,8 @@ METRICS = {
     "opsd": (("rlcli/teacher_kl_k3", "kl"), ("teacher_kl", "log p - log q")),
     "internalize": (("train_mean_nll", "loss"),),
     "harbor": (("env/all/reward/total", "reward"), ("env/all/test_passed", "passed")),
-    "demo": (("rl_reward", "RL reward"), ("sft_loss", "SFT loss")),  # rlcli demo (demo/record.py)
+    # rlcli demo (demo/record.py); --loop: the served alias's held-out score after each round
+    "demo": (("rl_reward", "RL reward"), ("sft_loss", "SFT loss"), ("held_out", "held-out score")),
 }
 
 
