@@ -83,7 +83,8 @@ def learn(
     judge_api_key: str = typer.Option(
         None,
         "--judge-api-key",
-        help="The judge server's API key (default: $OPENAI_API_KEY, else this server's key).",
+        help="The judge server's API key (default: on the server learn trains on, the key "
+        "rlcli sends it; on another, $OPENAI_API_KEY).",
     ),
     epochs: int = typer.Option(
         3, "--epochs", min=1, help="Passes over a round's rows (rl: over its prompts)."

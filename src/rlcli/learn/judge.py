@@ -37,7 +37,7 @@ PROMPT = (
     "Question:\n{question}\n\nAnswer A:\n{a}\n\nAnswer B:\n{b}"
 )
 MAX_TOKENS = 16  # the verdict is a letter; a few tokens allow "Answer A." or "**B**"
-CHECK_TIMEOUT_S = 30.0  # the most the check before a round waits for the judge, in all
+CHECK_TIMEOUT_S = 30.0  # the most the check before a round waits to connect, or for a read
 ANSWER_TIMEOUT_S = 120.0  # per verdict, during the evaluation
 EXAMPLES = 3  # verdicts kept in the receipt, per set
 _VERDICT = re.compile(r"^\W*(?:(?i:answer|option)\W*)?([AB])\b")
@@ -56,15 +56,17 @@ class Judge:
 
 def make(model: str, base_url: str | None, api_key: str | None, server_url: str) -> Judge:
     """The judge of ``--judge MODEL --judge-base-url URL --judge-api-key KEY``: the server
-    ``learn`` trains on unless another is given; the key, else ``$OPENAI_API_KEY`` (as the
-    openai client reads it), else the key our server takes."""
+    ``learn`` trains on unless another is given. The key: KEY; else, on the server learn
+    trains on, the key rlcli sends it (``$TINKER_API_KEY``); else ``$OPENAI_API_KEY``, as
+    the openai client reads it."""
     from rlcli.client import endpoint
 
     url = (base_url or server_url).rstrip("/").removesuffix("/v1")
-    key = api_key or os.environ.get("OPENAI_API_KEY")
-    if not key:
-        key = endpoint.api_key() if url == server_url else "none"
-    return Judge(model, url, key)
+    if api_key:
+        return Judge(model, url, api_key)
+    if url == server_url:
+        return Judge(model, url, endpoint.api_key())
+    return Judge(model, url, os.environ.get("OPENAI_API_KEY") or "none")
 
 
 def _client(judge: Judge, timeout: float, retries: int):

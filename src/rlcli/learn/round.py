@@ -77,7 +77,7 @@ class LearnOptions:
     dry_run: bool = False
     judge: str | None = None  # a model that scores the gate pairwise (learn/judge.py)
     judge_base_url: str | None = None  # its OpenAI-compatible server (default: base_url's)
-    judge_api_key: str | None = None  # default: $OPENAI_API_KEY, else our server's key
+    judge_api_key: str | None = None  # default: our server's key there, else $OPENAI_API_KEY
 
 
 def _read(path: Path) -> dict:
