@@ -461,7 +461,9 @@ def test_a_judge_gates_the_round_pairwise(tmp_path, server, tiny_model, sums_jud
     second = json.loads(refused.stdout)
     assert second["decision"] == "refused", second["why"]
     assert second["judge"]["held_out"]["wins"] == 0
-    assert second["judge"]["regression"]["losses"] > 0  # the frozen round-1 questions
+    # the frozen round-1 questions: the wrong round never wins one (a few steps on wrong sums
+    # may leave its answers to them as they were: ties)
+    assert second["judge"]["regression"]["wins"] == 0
     log = alias_history(server, "sums")["log"]
     assert log[-1]["checkpoint"] == receipt["candidate"]["checkpoint"]  # unchanged
 
