@@ -11,6 +11,9 @@ by step (the two sides must agree: packing changes the layout, not the examples)
 tokens are the engine's own plan for each step's datums, rebuilt from the run's spec with the
 cookbook's dataset builder: ``shared_prefix.microbatches`` over the rows (plain) or over the
 packs ``compat/packing.pack`` makes (``--pack``), at the server's ``microbatch_tokens``.
+``--pack-max-length 2048 512`` adds a packed side per pack size (`train sl --max-length`):
+a pack larger than the engine's micro-batch runs as one micro-batch of its own, with its
+layers recomputed in backward where the server checkpoints above that size.
 
 The rows (``--data``, else generated: ``--rows`` short question/answer chats of ``--words``
 words, deterministic from ``--data-seed``) are chat JSONL. Setup, once, in the project venv:
@@ -109,9 +112,11 @@ def planned_tokens(run_dir: Path, steps: int, pack: bool, status: dict) -> list[
     return out
 
 
-def one_run(args, model: Path, url: str, data: Path, tmp: Path, pack: bool, tag: str) -> dict:
+def one_run(args, model: Path, url: str, data: Path, tmp: Path, side: tuple, tag: str) -> dict:
+    """One `train sl` run of ``side`` (name, pack, max_length) on the server at ``url``."""
     from rlcli import SLOptions, Step, train
 
+    name, pack, max_length = side
     run_dir = tmp / tag
     stamps: list[tuple[int, float, float | None]] = []
 
@@ -122,7 +127,7 @@ def one_run(args, model: Path, url: str, data: Path, tmp: Path, pack: bool, tag:
     opts = SLOptions(
         model=str(model), dataset=str(data), base_url=url, batch_size=args.batch_size,
         max_steps=args.steps, lr=args.lr, lora_rank=args.lora_rank, seed=args.seed,
-        save_every=0, log_path=str(run_dir), pack=pack, max_length=args.max_length,
+        save_every=0, log_path=str(run_dir), pack=pack, max_length=max_length,
     )  # fmt: skip
     t0 = time.perf_counter()
     train(opts, on_progress=on_progress)
@@ -135,7 +140,9 @@ def one_run(args, model: Path, url: str, data: Path, tmp: Path, pack: bool, tag:
     s_per_step = (last[1] - first[1]) / steady_steps if steady_steps else None
     real_after_first = sum(r["num_tokens"] for r in rows[1:])
     return {
+        "side": name,
         "pack": pack,
+        "max_length": max_length,
         "tag": tag,
         "steps": len(rows),
         "s_per_step": s_per_step,
@@ -177,15 +184,24 @@ def main() -> None:
     parser.add_argument("--data", default=None, help="chat JSONL (default: generated rows)")
     parser.add_argument("--rows", type=int, default=None, help="generated rows (default: enough)")
     parser.add_argument(
-        "--words", default="5-70", help="generated answers' words, LOW-HIGH (SmolLM2: 49-115 tokens)"
+        "--words",
+        default="5-70",
+        help="generated answers' words, LOW-HIGH (SmolLM2: 49-115 tokens)",
     )
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16, help="examples per step")
     parser.add_argument(
-        "--max-length", type=int, default=2048, help="`train sl --max-length` (a pack's size)"
+        "--max-length", type=int, default=2048, help="`train sl --max-length` of the plain runs"
     )
-    parser.add_argument("--rounds", type=int, default=2, help="plain/packed pairs, alternated")
+    parser.add_argument(
+        "--pack-max-length", type=int, nargs="+", default=None,
+        help="`--max-length` (a pack's size) of each packed side (default: --max-length)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=2,
+        help="rounds of every side, alternated (odd rounds run them in reverse order)",
+    )  # fmt: skip
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
@@ -195,6 +211,8 @@ def main() -> None:
     _receipt.exit_on_sigterm()
 
     model = smollm2_model(args.model)
+    pack_lengths = args.pack_max_length or [args.max_length]
+    sides = [("plain", False, args.max_length)] + [(f"packed_{n}", True, n) for n in pack_lengths]
     low, _, high = args.words.partition("-")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -209,28 +227,42 @@ def main() -> None:
             status = (_receipt.server_status(record.base_url) or {}).get("engine") or {}
             runs = []
             for round_ in range(args.rounds):
-                # ABBA: plain first in even rounds, packed first in odd ones
-                order = (False, True) if round_ % 2 == 0 else (True, False)
-                for pack in order:
-                    tag = f"{'packed' if pack else 'plain'}_{round_}"
-                    run = one_run(args, model, record.base_url, data, tmp, pack, tag)
+                # ABBA: the sides in order in even rounds, reversed in odd ones
+                for side in sides if round_ % 2 == 0 else sides[::-1]:
+                    tag = f"{side[0]}_{round_}"
+                    run = one_run(args, model, record.base_url, data, tmp, side, tag)
                     run_dir = run.pop("_run_dir")
-                    run["plan_by_step"] = planned_tokens(run_dir, run["steps"], pack, status)
+                    run["plan_by_step"] = planned_tokens(run_dir, run["steps"], side[1], status)
                     runs.append(run)
                     print(
                         json.dumps({k: run[k] for k in ("tag", "s_per_step", "final_train_loss")}),
                         flush=True,
                     )
-    plain = side_summary([r for r in runs if not r["pack"]])
-    packed = side_summary([r for r in runs if r["pack"]])
-    pairs = zip([r for r in runs if not r["pack"]], [r for r in runs if r["pack"]], strict=True)
-    loss_diff = [
-        max(
-            abs(a - b)
-            for a, b in zip(p["train_loss_by_step"], q["train_loss_by_step"], strict=True)
-        )
-        for p, q in pairs
-    ]
+    summaries = {name: side_summary([r for r in runs if r["side"] == name]) for name, *_ in sides}
+    plain = summaries["plain"]
+    plain_runs = [r for r in runs if r["side"] == "plain"]
+    versus = {}
+    for name, *_ in sides[1:]:
+        packed = summaries[name]
+        mine = [r for r in runs if r["side"] == name]
+        versus[name] = {
+            "speedup_s_per_step": plain["s_per_step_median"] / packed["s_per_step_median"],
+            "real_tokens_per_s_over_plain": packed["real_tokens_per_s_median"]
+            / plain["real_tokens_per_s_median"],
+            "padded_tokens_per_step_over_plain": packed["padded_tokens_per_step_mean"]
+            / plain["padded_tokens_per_step_mean"],
+            "final_train_loss_diff_by_round": [
+                q["final_train_loss"] - p["final_train_loss"]
+                for p, q in zip(plain_runs, mine, strict=True)
+            ],
+            "max_train_loss_diff_by_round": [
+                max(
+                    abs(a - b)
+                    for a, b in zip(p["train_loss_by_step"], q["train_loss_by_step"], strict=True)
+                )
+                for p, q in zip(plain_runs, mine, strict=True)
+            ],
+        }
     result = {
         "what": "`rlcli train sl` with vs without --pack, same examples/order/batch/steps, one "
         "server, alternated; s/step, real (unpadded) tokens/s, engine padded tokens/step, loss",
@@ -240,14 +272,8 @@ def main() -> None:
             k: status.get(k)
             for k in ("dtype", "microbatch_tokens", "grad_checkpointing", "shared_prefixes")
         },
-        "plain": plain,
-        "packed": packed,
-        "packed_speedup_s_per_step": plain["s_per_step_median"] / packed["s_per_step_median"],
-        "packed_over_plain_real_tokens_per_s": packed["real_tokens_per_s_median"]
-        / plain["real_tokens_per_s_median"],
-        "padded_tokens_per_step_packed_over_plain": packed["padded_tokens_per_step_mean"]
-        / plain["padded_tokens_per_step_mean"],
-        "max_train_loss_diff_by_round": loss_diff,
+        "sides": summaries,
+        "packed_vs_plain": versus,
         "runs": runs,
     }
     path = _receipt.write(args.name, result)
