@@ -25,7 +25,7 @@ log = logging.getLogger("rlcli.server")
 
 def _engine_main(*args) -> None:
     """The engine process's entry: the model's code (torch's training parts, transformers) is
-    imported there only, so the HTTP process starts without it (~0.7 CPU s a start)."""
+    imported there only, so the HTTP process starts without it (~0.5 s of imports a start)."""
     from rlcli.server.engine.process import engine_main
 
     engine_main(*args)
