@@ -8,6 +8,7 @@ rerun: no second training, the alias moved once."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -589,3 +590,27 @@ def test_watch_rounds_as_traces_arrive_and_stops_on_ctrl_c(tmp_path, server, tin
     again = learn(home, server, "--alias", "watched", "--traces", folder)
     assert again.returncode == 1 and "0 judged traces not used before" in again.stderr
     assert sorted(p.name for p in rounds.glob("0*")) == ["001", "002"]
+
+
+def test_the_python_api_plans_and_refuses_like_the_cli(tmp_path, server, tiny_model, monkeypatch):
+    """``rlcli.learn_round(LearnOptions(...))``: the dry run's plan is the CLI's ``--dry-run
+    --json``; too few judged traces is the CLI's one line as an RlcliError."""
+    import rlcli
+
+    monkeypatch.setenv("RLCLI_HOME", str(tmp_path / "home"))
+    aliased = cli("alias", "set", "api", str(tiny_model), "--base-url", server.base_url)
+    assert aliased.returncode == 0
+    data = sums(tmp_path / "api.jsonl", range(12), lambda i: "10", "api")
+    options = rlcli.LearnOptions(alias="api", traces=[str(data)], base_url=server.base_url)
+    messages = []
+    dry = dataclasses.replace(options, dry_run=True)
+    plan = rlcli.learn_round(dry, on_progress=messages.append)
+    shown = json.loads(learn(tmp_path / "home", server, "--alias", "api", "--traces", data,
+                             "--dry-run", "--json").stdout)  # fmt: skip
+    assert {k: plan[k] for k in ("round", "method", "traces")} == {
+        k: shown[k] for k in ("round", "method", "traces")
+    }
+    assert messages and all(isinstance(m, rlcli.Message) for m in messages)
+    few = dataclasses.replace(options, min_traces=50)
+    with pytest.raises(rlcli.RlcliError, match="learn --alias api: 12 judged traces"):
+        rlcli.learn_round(few)

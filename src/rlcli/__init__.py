@@ -12,6 +12,8 @@ _WHERE = {
     "train": "rlcli.api",
     "evaluate": "rlcli.api",
     "internalize": "rlcli.api",
+    "learn_round": "rlcli.api",  # not "learn": the package rlcli.learn has that name
+    "LearnOptions": "rlcli.learn.round",
     "InternalizeOptions": "rlcli.recipes.internalize",
     "export": "rlcli.api",
     "Message": "rlcli.api",

@@ -1,4 +1,4 @@
-"""rlcli's Python API: the ``train``, ``eval`` and ``export`` commands from a script or notebook.
+"""rlcli's Python API: the ``train``, ``eval``, ``learn`` and ``export`` commands from a script.
 
 The same options dataclasses as the CLI (``SLOptions``, ``RLOptions``, ...: one field per
 flag, same defaults and checks), the same flow and run folder, the same refusals. What the
@@ -138,6 +138,17 @@ def internalize(options, *, on_progress: OnProgress | None = None, stdin=None):
     if not isinstance(options, InternalizeOptions):
         raise TypeError(f"{type(options).__name__}: expected InternalizeOptions")
     return train(options, on_progress=on_progress, stdin=stdin)
+
+
+def learn_round(options, *, on_progress: OnProgress | None = None) -> dict:
+    """Run one ``rlcli learn`` round with ``options`` (``LearnOptions``): new judged traces ->
+    train from the alias's state -> the gate -> promote or keep. Returns the round's receipt
+    (with ``dry_run=True``, its plan), as ``--json`` prints it; the round's lines come to
+    ``on_progress`` as ``Message``. Too few new judged traces, or a concurrent round on the
+    alias: ``RlcliError``, as the CLI's one line. ``--watch`` is a loop over this."""
+    from rlcli.learn.round import run_round
+
+    return run_round(options, _Events(on_progress).message)
 
 
 def evaluate(options, *, on_progress: OnProgress | None = None) -> dict:
