@@ -16,7 +16,6 @@ writes ``receipt.json`` and ``scores.png`` in it; ``summary_lines`` is the one s
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import shutil
@@ -272,8 +271,7 @@ def run_loop_demo(
     import logging
 
     from rlcli.demo.record import DemoFolder
-    from rlcli.demo.run import _interruptible, _run_dir, _stop_server, demo_model, free_port
-    from rlcli.launch import process
+    from rlcli.demo.run import _run_dir, demo_model, demo_server, free_port
     from rlcli.launch import torch_server as torch_backend
     from rlcli.learn.folder import learn_dir
 
@@ -292,7 +290,6 @@ def run_loop_demo(
     demo_home = home / "demo"
     demo_home.mkdir(parents=True, exist_ok=True)
     capture = demo_home / f"traces-{stamp}"
-    process.stop(demo_home)  # a demo interrupted earlier may have left one behind
     port = free_port()
     options = torch_backend.TorchServerOptions(
         base_model=model, port=port, device="cpu", dtype=config.dtype, capture=str(capture),
@@ -310,12 +307,7 @@ def run_loop_demo(
             on_round(row)
 
     try:
-        with _interruptible(), contextlib.ExitStack() as cleanup:
-            cleanup.callback(_stop_server, process, demo_home, report)
-            record, healthy = torch_backend.start(demo_home, options, wait=300)
-            if not healthy:
-                raise RlcliError(f"the demo's server did not become healthy; see {record.log_path}")
-            report(f"server pid {record.pid} healthy after {time.monotonic() - started:.0f}s")
+        with demo_server(demo_home, options, report, lambda: time.monotonic() - started) as record:
             runs.open()
             out = run_loop(record.base_url, model, capture, alias, settings, report, record_round)
     except BaseException as e:

@@ -391,7 +391,6 @@ def run_demo(
 
     import tinker
 
-    from rlcli.launch import process  # lazy: imports httpx
     from rlcli.launch import torch_server as torch_backend  # lazy: imports httpx
 
     logging.getLogger("tinker").setLevel(logging.ERROR)  # its retry notes are not progress
@@ -402,19 +401,13 @@ def run_demo(
     runs = DemoFolder(run_dir, model, sft_steps + rl_steps)
     demo_home = home / "demo"
     demo_home.mkdir(parents=True, exist_ok=True)
-    process.stop(demo_home)  # a demo interrupted earlier may have left one behind
     port = free_port()
     options = torch_backend.TorchServerOptions(
         base_model=model, port=port, device="cpu", dtype=config.dtype
     )
     report(f"starting a server for {model} on 127.0.0.1:{port}")
     try:
-        with _interruptible(), contextlib.ExitStack() as cleanup:
-            cleanup.callback(_stop_server, process, demo_home, report)
-            record, healthy = torch_backend.start(demo_home, options, wait=300)
-            if not healthy:
-                raise RlcliError(f"the demo's server did not become healthy; see {record.log_path}")
-            report(f"server pid {record.pid} healthy after {clock() - started:.0f}s")
+        with demo_server(demo_home, options, report, lambda: clock() - started) as record:
             service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
             trainer = service.create_lora_training_client(
                 base_model=model, rank=config.lora_rank, seed=config.seed
@@ -466,9 +459,26 @@ def run_demo(
     return result
 
 
-def _stop_server(process, demo_home: Path, report) -> None:
+@contextlib.contextmanager
+def demo_server(demo_home: Path, options, report, elapsed: Callable[[], float]):
+    """The demo's server (``TorchServerOptions``), its record once healthy; stopped on the way
+    out whatever happens (errors, Ctrl-C, SIGTERM). One a demo interrupted earlier left behind
+    in ``demo_home`` is stopped first."""
+    from rlcli.launch import process  # lazy: imports httpx
+    from rlcli.launch import torch_server as torch_backend
+
+    def stop() -> None:
+        process.stop(demo_home)
+        report("server stopped")
+
     process.stop(demo_home)
-    report("server stopped")
+    with _interruptible(), contextlib.ExitStack() as cleanup:
+        cleanup.callback(stop)
+        record, healthy = torch_backend.start(demo_home, options, wait=300)
+        if not healthy:
+            raise RlcliError(f"the demo's server did not become healthy; see {record.log_path}")
+        report(f"server pid {record.pid} healthy after {elapsed():.0f}s")
+        yield record
 
 
 @contextlib.contextmanager
