@@ -214,7 +214,7 @@ def score_runs(args, model: str, docs: list) -> None:
 
     name, _, _ = resolve_renderer(model, None)
     render = Renderer(renderers.get_renderer(name, get_tokenizer(model)))
-    service = tinker.ServiceClient(base_url=args.base_url)
+    service = tinker.ServiceClient(base_url=args.base_url, api_key="tml-dummy")
     adapters, results = [], []
     for run in args.score_runs:
         rows = [json.loads(line) for line in (Path(run) / "checkpoints.jsonl").open()]
@@ -271,6 +271,7 @@ def main() -> None:
     from rlcli import InternalizeOptions
     from rlcli.client.context_distill import Renderer
     from rlcli.compat.renderer_choice import resolve_renderer
+    from rlcli.recipes.internalize_child import UNRELATED
 
     model = str(smollm2_model(args.model_dir))
     counts = [int(x) for x in args.facts.split(",")]
@@ -286,7 +287,7 @@ def main() -> None:
         base_url = record.base_url
         name, _, _ = resolve_renderer(model, None)
         render = Renderer(renderers.get_renderer(name, get_tokenizer(model)))
-        service = tinker.ServiceClient(base_url=base_url)
+        service = tinker.ServiceClient(base_url=base_url, api_key="tml-dummy")
         adapters = []
         for i, (text, facts) in enumerate(docs):
             path = tmp / f"doc{i}.md"
@@ -322,7 +323,8 @@ def main() -> None:
             print(f"document {i}: {len(facts)} facts, {seconds:.0f}s", flush=True)
             write_receipt(args, results, final=False)
         for i, (text, facts) in enumerate(docs):
-            control = adapters[(i + 1) % len(docs)]
+            # another document's adapter; with one document the base model reading other text
+            control = adapters[(i + 1) % len(docs)] if len(docs) > 1 else (None, UNRELATED)
             rows = asyncio.run(ask_facts(service, render, model, facts, text, adapters[i], control))
             if args.ntp_control:
                 ntp = ntp_adapter(base_url, model, text, tmp / f"ntp{i}", steps=results[i]["steps"])
