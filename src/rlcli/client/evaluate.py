@@ -56,7 +56,9 @@ class EvalOptions:
         "them, or name@version from the Harbor cache): one bash-tool episode per task in Docker."
     )
     model: str | None = option(
-        None, "Base model (default with --checkpoint: the checkpoint's base model)."
+        None,
+        "Base model (default with --checkpoint: the checkpoint's base model; with --hypernet: "
+        "the server's).",
     )
     checkpoint: str | None = option(
         None,
@@ -174,8 +176,10 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
     from rlcli.client import aliases, endpoint, sample_chat  # lazy: imports httpx
 
     say = info or (lambda line: None)
-    if opts.compare and not opts.checkpoint:
-        raise RlcliError("--compare: pass --checkpoint tinker://RUN/sampler_weights/NAME too")
+    if opts.compare and not (opts.checkpoint or opts.hypernet):
+        raise RlcliError(
+            "--compare: pass --checkpoint tinker://RUN/sampler_weights/NAME (or --hypernet) too"
+        )
     if opts.checkpoint and not aliases.is_alias_name(opts.checkpoint):
         sample_chat.split_tinker_path(opts.checkpoint)  # the form, before anything else
     if opts.model:
