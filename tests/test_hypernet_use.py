@@ -228,3 +228,20 @@ def test_eval_niah_without_context_scores_one_adapter_and_refusals_are_one_line(
              "task test-0-0: refused by the server (400): document: the document has")  # fmt: skip
     one_line(cli("eval", "rl", "--env", "niah", "--hypernet", fresh, "--base-url",
                  no_hypernets_server), "(jax) hosts no hypernetworks")  # fmt: skip
+
+
+def test_eval_niah_hypernet_takes_a_haystack_longer_than_the_models_window(server, tiny_model):
+    """1,300 words is ~4,500 tokens, past the tiny model's 4,096 positions: in the prompt it
+    could not be read at once; the hypernetwork reads it in 9 chunks of 512."""
+    from rlcli.client.d2l import Hypernets
+    from rlcli.client.evaluate import EvalOptions, evaluate
+
+    window = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    hypernets = Hypernets(server.base_url)
+    made = hypernets.create(seed=0, rank=2, latent=8, chunk_tokens=512, max_chunks=16)
+    path = hypernets.save(made["hypernet_id"], "long")["path"]
+    hypernets.remove(made["hypernet_id"])
+    result = evaluate(EvalOptions(env="niah:words=1300", hypernet=path, tasks=1,
+                                  base_url=server.base_url, max_new_tokens=2))  # fmt: skip
+    assert result["internalized"]["document_tokens_max"] > window
+    assert result["tasks"] == 1 and result["per_task"][0]["prompt_tokens"] < 60

@@ -294,8 +294,8 @@ def _internalize(hypernets, hypernet: str, env, tasks: list[Task], say):
     Returns (task id -> adapter path, what the result reports)."""
     say(f"internalizing {len(tasks)} documents with {hypernet}")
     adapters, made, reused, tokens = {}, 0, 0, []
-    start = time.perf_counter()
-    for task in tasks:
+    start, every = time.perf_counter(), max(1, len(tasks) // 10)
+    for done, task in enumerate(tasks, start=1):
         digest = hashlib.sha256((task.document or "").encode()).hexdigest()[:16]
         try:
             out = hypernets.internalize(
@@ -308,6 +308,8 @@ def _internalize(hypernets, hypernet: str, env, tasks: list[Task], say):
         made += not out.get("reused")
         if out.get("tokens"):
             tokens.append(out["tokens"])
+        if done % every == 0 and done < len(tasks):  # a long one (a slow CPU) is never quiet
+            say(f"internalized {done}/{len(tasks)} documents")
     seconds = time.perf_counter() - start
     say(f"internalized {len(tasks)} documents: {made} adapters made, {reused} reused, "
         f"{seconds:.1f} s")  # fmt: skip
