@@ -19,11 +19,13 @@ from conftest import GSM8K, cli, run_rlcli
 DEAD_URL = "http://127.0.0.1:9"
 KEYS = {
     "env", "source", "tasks", "seed", "temperature", "max_new_tokens", "pass_threshold",
-    "renderer", "base_url", "policy", "model", "checkpoint", "mean_reward", "std_reward",
+    "renderer", "base_url", "context", "policy", "model", "checkpoint", "mean_reward", "std_reward",
     "pass_rate", "passed", "tokens_generated", "seconds", "tasks_per_s", "tokens_per_s",
     "per_task",
 }  # fmt: skip
-TASK_KEYS = {"id", "prompt", "response", "reward", "passed", "tokens", "turns"}
+TASK_KEYS = {
+    "id", "prompt", "response", "reward", "passed", "tokens", "turns", "prompt_tokens", "adapter",
+}  # fmt: skip
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -44,7 +44,10 @@ def test_eval_rl_scores_each_task_by_an_episode_stable_for_a_seed(daemon, server
     a, b = json.loads(first.stdout), json.loads(again.stdout)
     rows = a["per_task"]
     assert [t["id"] for t in rows] == NAMES and a["tasks"] == 3
-    assert set(rows[0]) == {"id", "prompt", "response", "reward", "passed", "tokens", "turns"}
+    assert set(rows[0]) == {
+        "id", "prompt", "response", "reward", "passed", "tokens", "turns", "prompt_tokens",
+        "adapter",
+    }  # fmt: skip
     instruction = (EXAMPLES / "write-file" / "instruction.md").read_text()
     assert rows[2]["prompt"] == instruction
     assert all(t["response"].startswith("[turn 1] ") and 1 <= t["turns"] <= 2 for t in rows)

@@ -114,6 +114,8 @@ def train(options, *, on_progress: OnProgress | None = None, stdin=None):
     ``dataset="-"`` reads (default: ``sys.stdin``). Raises as the module docstring says."""
     from rlcli.recipes import flow
 
+    if getattr(options, "hypernet", None):  # internalize's doc-to-LoRA route: no flow
+        return internalize(options, on_progress=on_progress, stdin=stdin)
     recipe = _recipe_of(options)
     opts = dataclasses.replace(options)  # the flow fills in what it finds; yours stays as is
     check(opts)
@@ -132,11 +134,21 @@ def internalize(options, *, on_progress: OnProgress | None = None, stdin=None):
     """Run ``rlcli internalize`` with ``options`` (``InternalizeOptions``: ``documents``, a
     list of paths, and ``model`` at least). Returns the outcome as ``train`` does; its
     ``.summary["receipt"]`` holds the held-out scores (base, in context, internalized,
-    control), per document and per probe. ``stdin``: where a document ``"-"`` is read."""
+    control), per document and per probe. ``stdin``: where a document ``"-"`` is read.
+
+    With ``hypernet`` (a ``tinker://ID/hypernet_weights/NAME``): one document's adapter from
+    one forward pass of that hypernetwork, no training; the outcome's ``.summary`` holds its
+    ``sampler_path`` (and ``reused``, ``expires_at``, ``tokens``, ``chunks``, ``rank``); there is
+    no run folder, and ``on_progress`` gets nothing."""
     from rlcli.recipes.internalize import InternalizeOptions
 
     if not isinstance(options, InternalizeOptions):
         raise TypeError(f"{type(options).__name__}: expected InternalizeOptions")
+    if options.hypernet:
+        from rlcli.recipes import internalize_hypernet
+
+        check(options)
+        return internalize_hypernet.run(options, stdin=stdin or sys.stdin)
     return train(options, on_progress=on_progress, stdin=stdin)
 
 

@@ -43,22 +43,37 @@ def _fmt(value) -> str:
 
 def table(result: dict) -> None:
     """One column per policy (base, checkpoint, and their difference with --compare)."""
+    context = _context(result)
     if "difference" not in result:
-        rows = {"env": result["env"], "seed": result["seed"]}
+        rows = {"env": result["env"], "seed": result["seed"], "context": context}
         emit(rows | {name: _fmt(result[key]) for key, name in SHOWN}, as_json=False)
         return
-    title = f"eval rl: {result['env']} ({result['tasks']} tasks, seed {result['seed']})"
+    title = (
+        f"eval rl: {result['env']} ({result['tasks']} tasks, seed {result['seed']}, "
+        f"context: {context})"
+    )
     base, trained, diff = result["base"], result["checkpoint"], result["difference"]
+    other = trained["policy"]  # "checkpoint", or "hypernet"
     rows = [
         {
             "": name,
             "base": _fmt(base[key]),
-            "checkpoint": _fmt(trained[key]),
+            other: _fmt(trained[key]),
             "difference": _fmt(diff[key]) if key in diff else "",
         }
         for key, name in SHOWN
     ]
     emit(rows, as_json=False, title=title)
+
+
+def _context(result: dict) -> str:
+    """Where each task's context document was: in the prompt, removed, or internalized."""
+    mode = result.get("context", "prompt")
+    if mode == "hypernet":
+        made = result["internalized"]
+        counts = f"{made['made']} adapters made, {made['reused']} reused"
+        return f"internalized by {result['hypernet']} ({counts})"
+    return {"prompt": "in the prompt", "removed": "removed (--without-context)"}.get(mode, mode)
 
 
 class Progress:

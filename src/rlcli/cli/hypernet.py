@@ -29,7 +29,8 @@ def internalize(
     session_key: str = typer.Option(
         None,
         "--session-key",
-        help="The same key returns the same adapter without recomputing it (and renews its TTL).",
+        help="The same key returns the same adapter without recomputing it (and renews its TTL); "
+        "default: none, each call makes a new adapter.",
     ),
     ttl: int = typer.Option(
         None, "--ttl", min=1, help="Seconds an adapter lives unless renewed (default: 86400)."
@@ -38,7 +39,8 @@ def internalize(
     as_json: bool = JSON,
 ) -> None:
     """Make the document's LoRA on the server and print its sampler path: sample it with
-    rlcli sample/chat --checkpoint PATH, /v1 with model=PATH, or export it."""
+    rlcli sample/chat --checkpoint PATH, /v1 with model=PATH, or export it. The same as
+    rlcli internalize DOCUMENT --hypernet PATH (which prints it as sampler_path)."""
     from rlcli.client.d2l import internalize as run
 
     out = run(

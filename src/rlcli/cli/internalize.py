@@ -16,10 +16,17 @@ def register(app) -> None:
     from rlcli.cli.train import run_recipe_command
 
     recipe = get("internalize")
-    flags.typer_command(
-        app,
-        "internalize",
-        recipe.options,
-        lambda opts: run_recipe_command(recipe, opts),
-        help=recipe.help,
-    )
+
+    def run(opts) -> None:
+        if not opts.hypernet:
+            run_recipe_command(recipe, opts)
+            return
+        import sys
+
+        from rlcli.cli._output import emit
+        from rlcli.recipes import internalize_hypernet
+
+        done = internalize_hypernet.run(opts, stdin=sys.stdin)
+        emit(done.summary, as_json=opts.json, title="internalized")
+
+    flags.typer_command(app, "internalize", recipe.options, run, help=recipe.help)

@@ -99,25 +99,59 @@ def read_document(document: str, stdin=None) -> str:
         raise RlcliError(f"{document}: not UTF-8 text") from None
 
 
+HYPERNET_KIND = "hypernet_weights"
+DEFAULT_TTL_S = 86_400  # the server's (server/http/d2l.py): an unused adapter lives a day
+HYPERNET_HELP = "tinker://ID/hypernet_weights/NAME (rlcli train d2l prints it as hypernet_path)"
+
+
+def check_hypernet_path(path: str, flag: str = "--hypernet") -> None:
+    """``path`` names a hypernetwork checkpoint: one line otherwise (an adapter's path says it
+    is an adapter), before any server is asked."""
+    run_id, _, rest = path.removeprefix("tinker://").partition("/")
+    kind, _, name = rest.partition("/")
+    if path.startswith("tinker://") and kind == HYPERNET_KIND and run_id and name:
+        return
+    what = "not a hypernetwork path"
+    if path.startswith("tinker://") and kind in ("sampler_weights", "weights"):
+        what = f"a {kind} checkpoint (a LoRA adapter), not a hypernetwork"
+    raise RlcliError(f"{flag} {path}: {what}; expected {HYPERNET_HELP}")
+
+
+def internalize_text(
+    text: str, hypernet: str, *, base_url: str | None = None, name: str | None = None,
+    session_key: str | None = None, ttl_seconds: int | None = None, pin: bool = False,
+    what: str = "the document", model: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """A document's text into a sampler checkpoint with one forward pass of ``hypernet`` on
+    the server (``base_url``, else the one found): what ``rlcli hypernet internalize`` and
+    ``rlcli internalize --hypernet`` both do. The server's answer (``path``, ``tokens``,
+    ``chunks``, ``rank``, ``reused``, ``expires_at``); every refusal one line. ``model``:
+    the base model the caller expects, checked against the server's."""
+    check_hypernet_path(hypernet)
+    if pin and ttl_seconds is not None:
+        raise RlcliError("--ttl with --pin: a pinned adapter never expires; give one of them")
+    if not text.strip():
+        raise RlcliError(f"{what}: the document is empty")
+    url, source = endpoint.resolve_base_url(base_url)
+    endpoint.check_server(url, source=source)
+    hypernets = Hypernets(url)
+    if model:
+        hypernets.server.check_model(model)
+    return hypernets.internalize(
+        hypernet, text, name=name, session_key=session_key, ttl_seconds=ttl_seconds, pin=pin
+    )
+
+
 def internalize(
     document: str, hypernet: str, *, base_url: str | None = None, name: str | None = None,
     session_key: str | None = None, ttl_seconds: int | None = None, pin: bool = False,
     stdin=None,
 ) -> dict[str, Any]:  # fmt: skip
     """``rlcli hypernet internalize``: a document file (or ``-``) into a sampler checkpoint
-    with one forward pass of ``hypernet`` on the server (``--base-url``, else the one found).
-    The checkpoint is sampled like any other (``rlcli sample --checkpoint PATH``, ``/v1``
-    with ``model=PATH``, export)."""
-    if not hypernet.startswith("tinker://"):
-        raise RlcliError(
-            f"--hypernet {hypernet}: a tinker://ID/hypernet_weights/NAME path (rlcli train d2l "
-            "prints it as hypernet_path)"
-        )
-    text = read_document(document, stdin)
-    if not text.strip():
-        raise RlcliError(f"{document}: the document is empty")
-    url, source = endpoint.resolve_base_url(base_url)
-    endpoint.check_server(url, source=source)
-    return Hypernets(url).internalize(
-        hypernet, text, name=name, session_key=session_key, ttl_seconds=ttl_seconds, pin=pin
-    )
+    (``internalize_text``). The checkpoint is sampled like any other (``rlcli sample
+    --checkpoint PATH``, ``/v1`` with ``model=PATH``, export)."""
+    check_hypernet_path(hypernet)
+    return internalize_text(
+        read_document(document, stdin), hypernet, base_url=base_url, name=name,
+        session_key=session_key, ttl_seconds=ttl_seconds, pin=pin, what=document,
+    )  # fmt: skip

@@ -15,6 +15,17 @@ task instead: the cookbook's bash-tool episode in a Docker container, the policy
 ``TinkerTokenCompleter`` (a seed per task and turn), the reward the verifier's, exactly as
 ``train harbor`` rolls out; at most ``concurrency`` episodes at once, the daemon checked and the
 images built before any sampling, every container removed at the end.
+
+An environment whose prompt is a context document then a question (niah: the haystack, then
+"What is the magic number of X?"; ``Environment.has_context``) can be scored without the
+document in the prompt: ``without_context`` asks the question alone (to score an adapter that
+``rlcli internalize`` made from such documents, ``--checkpoint``), and ``hypernet`` first turns
+each task's document into its own adapter with one forward pass of a doc-to-LoRA hypernetwork
+(``client/d2l.py``; the server chunks documents longer than the model's window) and asks the
+question alone through it. A task's adapter is asked for under a session key made of the
+task's id and a hash of its document, so the same task (same seed and index, same settings)
+reuses its adapter instead of recomputing it, within and across evaluations, while it lives.
+The result says which (``context``: ``prompt``, ``removed`` or ``hypernet``).
 """
 
 from __future__ import annotations
@@ -45,14 +56,29 @@ class EvalOptions:
         "them, or name@version from the Harbor cache): one bash-tool episode per task in Docker."
     )
     model: str | None = option(
-        None, "Base model (default with --checkpoint: the checkpoint's base model)."
+        None,
+        "Base model (default with --checkpoint: the checkpoint's base model; with --hypernet: "
+        "the server's).",
     )
     checkpoint: str | None = option(
         None,
         "Sampler checkpoint to score: tinker://RUN/sampler_weights/NAME or an alias (default: "
         "the base).",
     )
-    compare: bool = option(False, "Score the base model and --checkpoint side by side.")
+    compare: bool = option(
+        False, "Score the base model and --checkpoint (or --hypernet) side by side."
+    )
+    without_context: bool = option(
+        False,
+        "Ask each task's question without its context document in the prompt (niah: the "
+        "haystack), e.g. to score an adapter rlcli internalize made (--checkpoint).",
+    )
+    hypernet: str | None = option(
+        None,
+        "Internalize each task's context document (niah: its haystack, chunked by the server) "
+        "with this doc-to-LoRA hypernetwork, tinker://ID/hypernet_weights/NAME (rlcli train "
+        "d2l), and ask the question alone through that task's adapter (rlcli's own server).",
+    )
     tasks: int = option(
         100, "Tasks to score (at most the split's size; Harbor: the first by name).", min=1
     )
@@ -98,6 +124,8 @@ class TaskResult:
     passed: bool
     tokens: int
     turns: int  # model turns: 1, or the episode's (Harbor)
+    prompt_tokens: int | None = None  # the prompt sent (Harbor: None, one per turn)
+    adapter: str | None = None  # --hypernet: the task's adapter (a sampler checkpoint)
 
 
 @dataclass
@@ -127,6 +155,7 @@ class Task:
     env: object  # the cookbook ProblemEnv
     prompt: object  # tinker.ModelInput
     stop: list
+    document: str | None = None  # the context kept out of the prompt (without_context, hypernet)
 
 
 _TASKS_DEFAULT = next(f.default for f in dataclasses.fields(EvalOptions) if f.name == "tasks")
@@ -147,8 +176,10 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
     from rlcli.client import aliases, endpoint, sample_chat  # lazy: imports httpx
 
     say = info or (lambda line: None)
-    if opts.compare and not opts.checkpoint:
-        raise RlcliError("--compare: pass --checkpoint tinker://RUN/sampler_weights/NAME too")
+    if opts.compare and not (opts.checkpoint or opts.hypernet):
+        raise RlcliError(
+            "--compare: pass --checkpoint tinker://RUN/sampler_weights/NAME (or --hypernet) too"
+        )
     if opts.checkpoint and not aliases.is_alias_name(opts.checkpoint):
         sample_chat.split_tinker_path(opts.checkpoint)  # the form, before anything else
     if opts.model:
@@ -158,6 +189,7 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
     env = envs.get(opts.env, gsm8k_dir=opts.gsm8k_dir, harbor=True, task_filter=opts.task_filter)
     if opts.task_filter and not env.multi_turn:
         raise RlcliError(f"--task-filter: only for Harbor tasks, not --env {opts.env}")
+    mode = _context_mode(opts, env)
     if env.generated and opts.tasks > MAX_GENERATED_TASKS:
         raise RlcliError(
             f"--tasks {opts.tasks}: at most {MAX_GENERATED_TASKS} for a generated environment "
@@ -167,7 +199,14 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
     if len(problems) < opts.tasks != _TASKS_DEFAULT:  # asked for more than there is
         say(f"--tasks {opts.tasks}: {opts.env} has {len(problems)} test tasks; scoring all of them")
     url, source = endpoint.resolve_base_url(opts.base_url)
-    target = sample_chat.resolve_target(url, source, opts.model, opts.checkpoint)
+    hypernets = None
+    if opts.hypernet:
+        from rlcli.client import d2l  # lazy: imports httpx
+
+        endpoint.check_server(url, source=source)
+        hypernets = d2l.Hypernets(url)  # a server without hypernetworks: one line, here
+    model = opts.model or (hypernets.server.served[0] if hypernets else None)
+    target = sample_chat.resolve_target(url, source, model, opts.checkpoint)
     context = _check_max_tokens(url, opts.max_new_tokens)
     say(endpoint.describe(url, source))
     renderer, renderer_name, why = _renderer(target.base_model, opts.renderer)
@@ -177,14 +216,22 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
         env.prepare(say)  # the daemon and every image, before any sampling
         tasks = [Task(str(row["id"]), row["question"], None, None, []) for row in problems]
     else:
-        tasks = asyncio.run(_tasks(env, problems, renderer))
+        tasks = asyncio.run(_tasks(env, problems, renderer, mode))
+    adapters, internalized = {}, None
+    if hypernets is not None:
+        adapters, internalized = _internalize(hypernets, opts.hypernet, env, tasks, say)
     sides = [("base", None)] if not opts.checkpoint else [("checkpoint", target.checkpoint)]
+    if opts.hypernet:
+        sides = [("hypernet", None)]
     if opts.compare:
         sides.insert(0, ("base", None))
     results = []
     for label, checkpoint in sides:
+        per_task = adapters if label == "hypernet" else None
         with _episodes(env, opts, target.base_model, renderer_name, context) as play:
-            scored = _score(opts, target, label, checkpoint, tasks, renderer, report, play)
+            scored = _score(
+                opts, target, label, checkpoint, tasks, renderer, report, play, per_task
+            )
             results.append(asyncio.run(scored))
     common = {
         "env": opts.env,
@@ -196,7 +243,10 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
         "pass_threshold": opts.pass_threshold,
         "renderer": renderer_name,
         "base_url": url,
+        "context": mode,
     }
+    if internalized is not None:
+        common |= {"hypernet": opts.hypernet, "internalized": internalized}
     if env.multi_turn:
         keys = ("max_turns", "command_timeout", "env_timeout")
         common |= {key: getattr(opts, key) for key in keys}
@@ -207,8 +257,68 @@ def evaluate(opts: EvalOptions, report: Report | None = None, info=None) -> dict
     return {
         **common,
         "base": asdict(base),
-        "checkpoint": asdict(trained),
+        "checkpoint": asdict(trained),  # its policy: "checkpoint", or "hypernet"
         "difference": {k: getattr(trained, k) - getattr(base, k) for k in keys},
+    }
+
+
+def _context_mode(opts: EvalOptions, env) -> str:
+    """Where each task's context document goes: ``prompt`` (as the environment builds it),
+    ``removed`` (--without-context) or ``hypernet`` (internalized); one line for a mix that
+    cannot be scored."""
+    if not (opts.hypernet or opts.without_context):
+        return "prompt"
+    given = "--hypernet" if opts.hypernet else "--without-context"
+    if not env.has_context:
+        raise RlcliError(
+            f"{given}: --env {opts.env} has no context document apart from its question "
+            "(niah has: its haystack)"
+        )
+    if not opts.hypernet:
+        return "removed"
+    from rlcli.client.d2l import check_hypernet_path  # lazy: imports httpx
+
+    check_hypernet_path(opts.hypernet)
+    if opts.checkpoint:
+        raise RlcliError(
+            "--hypernet with --checkpoint: the hypernetwork makes each task's adapter; score "
+            "one or the other (--checkpoint with --without-context scores one adapter for all)"
+        )
+    return "hypernet"
+
+
+def _internalize(hypernets, hypernet: str, env, tasks: list[Task], say):
+    """Each task's document into its adapter, once: the session key is the environment, the
+    task's id (seed and index) and a hash of the document, so an evaluation of the same tasks
+    reuses the adapters while they live, and other settings (another haystack) never do.
+    Returns (task id -> adapter path, what the result reports)."""
+    say(f"internalizing {len(tasks)} documents with {hypernet}")
+    adapters, made, reused, tokens = {}, 0, 0, []
+    start, every = time.perf_counter(), max(1, len(tasks) // 10)
+    for done, task in enumerate(tasks, start=1):
+        digest = hashlib.sha256((task.document or "").encode()).hexdigest()[:16]
+        try:
+            out = hypernets.internalize(
+                hypernet, task.document or "", session_key=f"{env.name}/{task.id}/{digest}"
+            )
+        except RlcliError as e:
+            raise RlcliError(f"task {task.id}: {e}") from None
+        adapters[task.id] = out["path"]
+        reused += bool(out.get("reused"))
+        made += not out.get("reused")
+        if out.get("tokens"):
+            tokens.append(out["tokens"])
+        if done % every == 0 and done < len(tasks):  # a long one (a slow CPU) is never quiet
+            say(f"internalized {done}/{len(tasks)} documents")
+    seconds = time.perf_counter() - start
+    say(f"internalized {len(tasks)} documents: {made} adapters made, {reused} reused, "
+        f"{seconds:.1f} s")  # fmt: skip
+    return adapters, {
+        "adapters": len(adapters),
+        "made": made,
+        "reused": reused,
+        "document_tokens_max": max(tokens, default=None),
+        "seconds": seconds,
     }
 
 
@@ -272,20 +382,27 @@ class SeededClient:
         return await self.client.sample(prompt, num_samples, params, **kwargs)
 
 
-async def _tasks(env, problems, renderer) -> list[Task]:
+async def _tasks(env, problems, renderer, mode: str = "prompt") -> list[Task]:
+    """Each problem's env and prompt; without its context document where ``mode`` says
+    (the document kept on the task for ``hypernet``)."""
     out = []
     for row in problems:
+        document = None
+        if mode != "prompt":
+            document, query = env.context_parts(row)
+            row = {**row, "question": query}
         problem = env.make_env(row, renderer)
         prompt, stop = await problem.initial_observation()
-        out.append(Task(str(row["id"]), problem.get_question(), problem, prompt, stop))
+        out.append(Task(str(row["id"]), problem.get_question(), problem, prompt, stop, document))
     return out
 
 
 async def _score(
-    opts, target, label, checkpoint, tasks, renderer, report, play=None
+    opts, target, label, checkpoint, tasks, renderer, report, play=None, adapters=None
 ) -> PolicyResult:
     """Every task sampled once through the SDK (bounded concurrency) and graded by its env; or,
-    with ``play`` (Harbor), one episode per task through the cookbook's rollout."""
+    with ``play`` (Harbor), one episode per task through the cookbook's rollout. ``adapters``
+    (task id -> sampler path, ``--hypernet``): each task through its own adapter."""
     import asyncio
 
     import tinker
@@ -298,8 +415,16 @@ async def _score(
     side = sample_chat.Target(target.base_url, target.base_model, checkpoint)
     skyrl_client.accept_unnumbered_samples()  # a SkyRL server answers samples the 0.25 way
     service = tinker.ServiceClient(base_url=target.base_url, api_key=endpoint.api_key())
+    clients = {}
     try:
-        if checkpoint:
+        if adapters:
+            paths = [adapters[t.id] for t in tasks]
+            made = await asyncio.gather(
+                *(service.create_sampling_client(model_path=p) for p in paths)
+            )
+            clients = {t.id: c for t, c in zip(tasks, made, strict=True)}
+            client = None
+        elif checkpoint:
             client = await service.create_sampling_client(model_path=checkpoint)
         else:
             client = await service.create_sampling_client(base_model=target.base_model)
@@ -348,7 +473,7 @@ async def _score(
         )
         async with gate:
             try:
-                response = await client.sample(task.prompt, 1, params)
+                response = await clients.get(task.id, client).sample(task.prompt, 1, params)
             except Exception as e:
                 error = sample_chat.sample_error(side, e)
                 raise RlcliError(f"task {task.id}: {error}") from None
@@ -367,6 +492,8 @@ async def _score(
             passed=reward >= opts.pass_threshold,
             tokens=len(tokens),
             turns=1,
+            prompt_tokens=task.prompt.length,
+            adapter=(adapters or {}).get(task.id),
         )
 
     if report:

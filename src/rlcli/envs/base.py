@@ -21,6 +21,9 @@ class Environment:
     # Generated environments have no natural size: one `train rl` pass is this many batches
     # (the cookbook's n_batches for arithmetic).
     train_batches: int = 100
+    # Each row's prompt is a context document then a question, kept apart (niah: the haystack
+    # and the question): ``context_parts``. ``eval rl --without-context``/``--hypernet`` need it.
+    has_context: bool = False
 
     @property
     def source(self) -> str:
@@ -41,6 +44,10 @@ class Environment:
 
     def make_env(self, row: dict, renderer):
         """The cookbook ``ProblemEnv`` that prompts with ``row`` and grades the answer."""
+        raise NotImplementedError
+
+    def context_parts(self, row: dict) -> tuple[str, str]:
+        """(the context document, the question without it) of a row (``has_context``)."""
         raise NotImplementedError
 
     def count(self, split: str) -> int | None:

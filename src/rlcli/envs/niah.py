@@ -6,6 +6,11 @@ about 1,700 tokens with the tiny test model's tokenizer, well inside its 4,096 p
 a few hundred with a real model's); ``depth``, where the fact sits, from 0 (the start) to 1 (the
 end), default a random depth per problem. Everything else (the filler, the name, the number)
 comes from the row's seeded stream.
+
+A row's ``question`` is the haystack, a blank line, then the question; ``context`` (the
+haystack, needle included) and ``query`` (the question alone) are kept apart too, so ``eval
+rl`` can ask the question without the haystack (``--without-context``, ``--hypernet``) without
+parsing the prompt.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ TAILS = ("", " every day", " in the spring", " without a sound", " before noon",
 class Niah(Environment):
     name = "niah"
     generated = True
+    has_context = True
     train_batches = 100
 
     def __init__(self, words: int = DEFAULT_WORDS, depth: float | None = None) -> None:
@@ -78,16 +84,19 @@ class Niah(Environment):
             count += len(sentences[-1].split())
         needle = f"The magic number of {name} is {number}."
         sentences.insert(round(depth * len(sentences)), needle)
-        question = (
-            " ".join(sentences)
-            + f"\n\nWhat is the magic number of {name}? Answer with the number only."
-        )
+        haystack = " ".join(sentences)
+        query = f"What is the magic number of {name}? Answer with the number only."
         return {
             "id": f"{split}-{seed}-{index}",
-            "question": question,
+            "question": f"{haystack}\n\n{query}",
             "answer": str(number),
             "depth": round(depth, 4),
+            "context": haystack,
+            "query": query,
         }
+
+    def context_parts(self, row: dict) -> tuple[str, str]:
+        return row["context"], row["query"]
 
     def make_env(self, row: dict, renderer):
         from rlcli.envs.answer import AnswerEnv  # lazy: imports the cookbook

@@ -35,8 +35,34 @@ TEMPLATE_TOKENS = 16  # what the teacher's prompt adds around chunk and question
 @dataclass(kw_only=True)
 class InternalizeOptions(TrainOptions):
     documents: list[str] = option(
-        help="Documents: files, folders (every file in them), or - for stdin.", argument=True
+        help="Documents: files, folders (every file in them), or - for stdin (--hypernet: one "
+        "document).",
+        argument=True,
     )
+    model: str | None = option(
+        None,
+        "Base model: hub id or local folder (required; with --hypernet: the server's, checked "
+        "when given).",
+    )
+    hypernet: str | None = option(
+        None,
+        "Make the adapter with one forward pass of a doc-to-LoRA hypernetwork instead of "
+        "training: tinker://ID/hypernet_weights/NAME (rlcli train d2l; rlcli's own server "
+        "only). Takes one document and only --session-key, --ttl, --pin, --model, --base-url, "
+        "--json.",
+    )
+    session_key: str | None = option(
+        None,
+        "--hypernet: the same key returns the same adapter without recomputing it, whatever "
+        "the text, and renews its TTL (default: none, each call makes a new adapter).",
+    )
+    ttl: int | None = option(
+        None,
+        "--hypernet: seconds an unused adapter lives (default: 86400, one day; each use of its "
+        "--session-key renews it).",
+        min=1,
+    )
+    pin: bool = option(False, "--hypernet: keep the adapter until deleted (no TTL).")
     questions: str | None = option(
         None,
         'Probes JSONL: {"question": ..., "answer": ...} (answer optional; "document": a path '
@@ -183,7 +209,8 @@ class Internalize(Recipe):
     options = InternalizeOptions
     help = (
         "Put documents into a LoRA (context distillation): the model answers from them with "
-        "an empty context."
+        "an empty context. With --hypernet, one document's LoRA from one forward pass of a "
+        "doc-to-LoRA hypernetwork instead (no training)."
     )
     show = {"train_mean_nll": "loss", "learning_rate": "lr"}
 
@@ -193,6 +220,11 @@ class Internalize(Recipe):
 
     def prepare(self, opts: InternalizeOptions, stdin=None, dry_run=False):
         """Documents, probes, chunks, split and steps; no server, no writes."""
+        from rlcli.recipes.internalize_hypernet import check_mix
+
+        check_mix(opts)  # --hypernet runs elsewhere; its flags alone are refused here
+        if not opts.model:
+            raise RlcliError("missing --model (or --hypernet tinker://ID/hypernet_weights/NAME)")
         check_model_arg(opts.model)
         check_renderer(opts.renderer)
         if opts.reference_weight > 1:
