@@ -339,3 +339,33 @@ def test_a_late_request_for_a_running_prompt_copies_its_cache_instead_of_prefill
         ):
             np.testing.assert_array_equal(tokens, ref_tokens)
             np.testing.assert_allclose(logps, ref_logps, atol=1e-5)
+
+
+def test_scoring_the_last_tokens_only_agrees_with_scoring_the_whole_prompt(tiny_model, engine):
+    """``prompt_logprobs_last_n`` (a teacher scoring an answer after a document): the prefill
+    keeps the last N + 1 positions' logits only (``logits_to_keep``), on our decode step and on
+    transformers' forward alike, and their logprobs and top-k equal the full prompt's."""
+    from rlcli.server.engine.sampling import logits_to_keep
+
+    def scoring(length, last_n=None):
+        return _job(length, None, None, num_samples=1, max_tokens=1, prompt_logprobs=True,
+                    topk_prompt_logprobs=3, prompt_logprobs_last_n=last_n)  # fmt: skip
+
+    assert logits_to_keep([scoring(20, 4), scoring(9, 2)]) == 5
+    assert logits_to_keep([scoring(20, 4), scoring(9)]) == 0  # one scores all: all kept
+    assert logits_to_keep([_job(20, None, None)]) == 1
+    other = tiny_model.parent / "gelu-scoring"
+    if not other.exists():
+        shutil.copytree(tiny_model, other)
+        config = json.loads((other / "config.json").read_text())
+        (other / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    for eng in (engine, Engine(str(other), device="cpu", dtype="float32")):
+        full = eng.sample([scoring(20), scoring(9)])
+        tail = eng.sample([scoring(20, 4), scoring(9, 2)])
+        for whole, last, n in zip(full, tail, (4, 2), strict=True):
+            np.testing.assert_allclose(last.prompt_logprobs[-n:], whole.prompt_logprobs[-n:],
+                                       atol=1e-5)  # fmt: skip
+            assert np.isnan(last.prompt_logprobs[:-n]).all()
+            assert (last.topk_prompt[0][-n:] == whole.topk_prompt[0][-n:]).all()
+            np.testing.assert_allclose(last.topk_prompt[1][-n:], whole.topk_prompt[1][-n:],
+                                       atol=1e-5)  # fmt: skip

@@ -99,6 +99,20 @@ def test_prompt_scoring_options_agree_with_full_prompt_logprobs(sampler):
     last = sampler.compute_logprobs(prompt, prompt_logprobs_last_n=3).result()
     assert last[:-3] == [None] * (len(PROMPT) - 3)
     np.testing.assert_allclose(last[-3:], full[-3:], atol=1e-5)
+    # With top-k too (a teacher scoring an answer): the prefill keeps logits for the last 3
+    # positions only; their top-k agree with the full prompt's, the rows before are empty.
+    scored = types.SamplingParams(max_tokens=1, temperature=0.0)
+    every, tail = (
+        sampler.sample(prompt, 1, scored, include_prompt_logprobs=True, topk_prompt_logprobs=4,
+                       **extra).result()
+        for extra in ({}, {"prompt_logprobs_last_n": 3})
+    )  # fmt: skip
+    np.testing.assert_allclose(tail.prompt_logprobs[-3:], every.prompt_logprobs[-3:], atol=1e-5)
+    for got, want in zip(tail.topk_prompt_logprobs[-3:], every.topk_prompt_logprobs[-3:],
+                         strict=True):  # fmt: skip
+        assert [t for t, _ in got] == [t for t, _ in want]
+        np.testing.assert_allclose([lp for _, lp in got], [lp for _, lp in want], atol=1e-5)
+    assert not any(tail.topk_prompt_logprobs[1:-3])  # nothing where nothing was scored
 
     # target_prompt_logprobs: column 0 asks for the prompt's own next token (= prompt
     # logprobs), column 1 for token 0; -1 asks for nothing and gets 0.0.

@@ -63,23 +63,50 @@ def filter_logits(
 def prompt_logprob_arrays(
     logits: torch.Tensor, prompt: torch.Tensor, topk: int
 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
-    """From one row's prefill logits [N, V]: log p(prompt[t] | prompt[:t]) (NaN at t=0), and
-    the top-k alternatives per position (row 0 empty: nothing predicts the first token)."""
+    """From one row's prefill logits over the prompt's last M positions [M, V] (M <= N, see
+    ``logits_to_keep``): log p(prompt[t] | prompt[:t]) for its last M - 1 tokens (NaN before,
+    and at t=0), and the top-k alternatives there (rows before empty, as row 0 is: nothing
+    predicts the first token)."""
     logp = logits.float().log_softmax(-1)
+    first = len(prompt) - len(logits) + 1  # the first token these logits predict
     values = torch.full((len(prompt),), float("nan"))
-    if len(prompt) > 1:
-        values[1:] = logp[:-1].gather(-1, prompt[1:].unsqueeze(-1)).squeeze(-1).cpu()
+    if len(logits) > 1:
+        values[first:] = logp[:-1].gather(-1, prompt[first:].unsqueeze(-1)).squeeze(-1).cpu()
     top = None
     if topk > 0:
         k = min(topk, logp.shape[-1])
         ids = torch.zeros(len(prompt), k, dtype=torch.int32)
         lps = torch.full((len(prompt), k), -99999.0)
-        if len(prompt) > 1:
+        if len(logits) > 1:
             best = logp[:-1].topk(k, dim=-1)
-            ids[1:] = best.indices.to(torch.int32).cpu()
-            lps[1:] = best.values.cpu()
+            ids[first:] = best.indices.to(torch.int32).cpu()
+            lps[first:] = best.values.cpu()
         top = (ids.numpy(), lps.numpy())
     return values.numpy().astype(np.float32), top
+
+
+def logits_to_keep(jobs: list[SampleJob]) -> int:
+    """How many of a prefill's last positions need logits (HF's ``logits_to_keep``; 0: all):
+    1, the next token's, unless a job wants prompt logprobs; then the last N + 1 where every
+    such job scores only its last N prompt tokens (``prompt_logprobs_last_n``), else all. A
+    [rows, width, vocab] float tensor and its softmax are most of a scoring prefill's time
+    (a teacher scoring a short answer after a long document)."""
+    wanting = [job for job in jobs if job.wants_prompt]
+    if not wanting:
+        return 1
+    if any(
+        job.prompt_logprobs_last_n is None or job.prompt_alt_k or job.target_prompt is not None
+        for job in wanting
+    ):
+        return 0
+    return max(job.prompt_logprobs_last_n for job in wanting) + 1
+
+
+def prompt_rows(logits: torch.Tensor, row: int, n: int) -> torch.Tensor:
+    """Row ``row``'s logits over its prompt of ``n`` tokens (left-padded, so the last ones),
+    as many of them as the prefill kept."""
+    kept = logits.shape[1]
+    return logits[row, kept - min(n, kept) :]
 
 
 def _hits_stop_string(tokens: list[int], stops: list[str], decode) -> bool:
@@ -213,20 +240,19 @@ class DecodeBatch:
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         dev = self.device
         input_ids, attention, positions = (t.to(dev) for t in (input_ids, attention, positions))
-        # Logits over the whole prompt only when prompt logprobs are wanted: [rows, width,
-        # vocab] floats is gigabytes for a 50k vocabulary.
-        want_prompt = any(job.wants_prompt for job in jobs)
+        # Logits over the prompt only where prompt logprobs are wanted: [rows, width, vocab]
+        # floats is gigabytes for a 50k vocabulary.
         cache = self._new_cache()
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention,
             position_ids=positions,
             past_key_values=cache,
-            logits_to_keep=0 if want_prompt else 1,
+            logits_to_keep=logits_to_keep(jobs),
         )
         logits = out.logits
         done, entries, expand = self._prepare(
-            jobs, tickets, lambda j, n, all_=logits: all_[j, width - n :], range(len(jobs))
+            jobs, tickets, lambda j, n, all_=logits: prompt_rows(all_, j, n), range(len(jobs))
         )
         next_logits = logits[:, -1, :].float()
         del out, logits

@@ -22,7 +22,13 @@ from typing import Any
 import torch
 
 from rlcli.server.engine.decode_step import ATTN, HEAD, MLP, Compiled, LlamaStep, bucket
-from rlcli.server.engine.sampling import DecodeBatch, SampleJob, SampleOutput
+from rlcli.server.engine.sampling import (
+    DecodeBatch,
+    SampleJob,
+    SampleOutput,
+    logits_to_keep,
+    prompt_rows,
+)
 
 LENGTH_STEP = 128  # cache length granularity (tokens): the step attends to all of it, masked
 
@@ -160,7 +166,8 @@ class SlotBatch(DecodeBatch):
             prompts = [None] * len(unique)
             for j, u in zip(members, sources, strict=True):
                 prompts[u] = jobs[j].prompt
-            want_prompt = any(jobs[j].wants_prompt for j in members)
+            group = [jobs[j] for j in members]
+            want_prompt = any(job.wants_prompt for job in group)
             keys = [(adapter, prompt) for prompt in unique]  # unique: bytes, in u order
             if not want_prompt and all(k in self._first_logits for k in keys):
                 # every prompt is in a running row's slot: its K/V are copied from there
@@ -168,11 +175,11 @@ class SlotBatch(DecodeBatch):
                 last = torch.stack([self._first_logits[k] for k in keys])
                 self.reused += len(prompts)
             else:
-                logits, layers, width = self._prefill(module, prompts, want_prompt)
+                logits, layers, width = self._prefill(module, prompts, logits_to_keep(group))
                 last = logits[:, -1, :].float()
             group_done, rows, expand = self._prepare(
-                [jobs[j] for j in members], [tickets[j] for j in members],
-                lambda u, n, all_=logits, w=width: all_[u, w - n :], sources,
+                group, [tickets[j] for j in members],
+                lambda u, n, all_=logits: prompt_rows(all_, u, n), sources,
             )  # fmt: skip
             done.extend(group_done)
             if rows:
@@ -183,8 +190,9 @@ class SlotBatch(DecodeBatch):
         self._row_params()
         return done
 
-    def _prefill(self, module, prompts, want_prompt: bool):
-        """The HF forward over left-padded ``prompts``: (logits, per layer (K, V), width)."""
+    def _prefill(self, module, prompts, keep: int):
+        """The HF forward over left-padded ``prompts``, logits for the last ``keep`` positions
+        (0: all): (logits, per layer (K, V), width)."""
         from transformers.cache_utils import DynamicCache
 
         width = max(len(p) for p in prompts)
@@ -200,7 +208,7 @@ class SlotBatch(DecodeBatch):
             attention_mask=attention.to(dev),
             position_ids=positions.to(dev),
             past_key_values=DynamicCache(),
-            logits_to_keep=0 if want_prompt else 1,
+            logits_to_keep=keep,
         )
         self.prefills += len(prompts)
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
