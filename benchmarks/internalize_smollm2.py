@@ -145,8 +145,9 @@ async def ask_facts(service, render, model, facts, text, adapter, control) -> li
     return rows
 
 
-def ntp_adapter(base_url: str, model: str, text: str, folder: Path, steps: int) -> str:
-    """The next-token-prediction control: ``train sl`` on the document's text as one turn."""
+def ntp_adapter(base_url: str, model: str, text: str, folder: Path, steps: int, lr: float) -> str:
+    """The next-token-prediction control: ``train sl`` on the document's text as one turn,
+    as many steps and the same learning rate as the document's internalization."""
     import rlcli
     from rlcli import SLOptions
 
@@ -162,7 +163,7 @@ def ntp_adapter(base_url: str, model: str, text: str, folder: Path, steps: int) 
             log_path=str(folder / "ntp"),
             batch_size=1,
             max_steps=steps,
-            lr=5e-4,
+            lr=lr,
             lora_rank=16,
             save_every=0,
         )  # fmt: skip
@@ -248,8 +249,9 @@ def main() -> None:
     parser.add_argument("--facts", default="5,8,10,15,20", help="facts per document")
     parser.add_argument("--filler", default="200,500,1000,200,2000", help="filler words per doc")
     parser.add_argument("--targets", default="auto", choices=("auto", "teacher", "reference"))
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--epochs", type=int, help="default: the command's")
+    parser.add_argument("--lr", type=float, help="default: the command's")
+    parser.add_argument("--reference-weight", type=float, help="default: the command's")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--ntp-control", action="store_true")
     parser.add_argument("--dtype", default="auto")
@@ -283,6 +285,8 @@ def main() -> None:
         return
     tmp = Path(tempfile.mkdtemp(prefix="internalize-bench-"))
     results: list[dict] = []
+    named = {"epochs": args.epochs, "lr": args.lr, "reference_weight": args.reference_weight}
+    tuned = {k: v for k, v in named.items() if v is not None}
     with _receipt.local_server(model, tmp, dtype=args.dtype) as record:
         base_url = record.base_url
         name, _, _ = resolve_renderer(model, None)
@@ -301,10 +305,9 @@ def main() -> None:
                     log_path=str(tmp / f"run{i}"),
                     n_questions=6 * len(facts),
                     targets=args.targets,
-                    epochs=args.epochs,
-                    lr=args.lr,
                     lora_rank=args.rank,
                     test_size=0.1,
+                    **tuned,
                 )  # fmt: skip
             )
             seconds = time.perf_counter() - started
@@ -327,7 +330,8 @@ def main() -> None:
             control = adapters[(i + 1) % len(docs)] if len(docs) > 1 else (None, UNRELATED)
             rows = asyncio.run(ask_facts(service, render, model, facts, text, adapters[i], control))
             if args.ntp_control:
-                ntp = ntp_adapter(base_url, model, text, tmp / f"ntp{i}", steps=results[i]["steps"])
+                lr = tuned.get("lr", InternalizeOptions.lr)
+                ntp = ntp_adapter(base_url, model, text, tmp / f"ntp{i}", results[i]["steps"], lr)
                 jobs = [(ntp, f["question"], None) for f in facts]
                 ntp_said = asyncio.run(ask_all(service, render, model, jobs))
                 for row, answer_text, fact in zip(rows, ntp_said, facts, strict=True):

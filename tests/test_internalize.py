@@ -1,9 +1,11 @@
 """``rlcli internalize`` on the tiny model through the session's real server: the dry-run plan,
 refusals of bad input (in process, no server), one end-to-end CLI run (with on-policy steps)
 whose adapter ``/v1`` serves, the Python API with progress events, and resume of a finished
-run (``runs cancel`` and resume mid-run are the train flow's, tested in test_run_control).
-Whether it learns is measured on SmolLM2 by benchmarks/internalize_smollm2.py, not here (too
-slow for CI)."""
+run, ``runs cancel`` mid-training and a rerun that resumes; and one learning test on
+SmolLM2-135M-Instruct (slow): facts the base model cannot answer are answered, worded unlike
+any probe, with the document absent, where the control (the base model reading unrelated text)
+does not. How much it learns, on more and longer documents, is measured by
+benchmarks/internalize_smollm2.py."""
 
 from __future__ import annotations
 
@@ -154,3 +156,114 @@ def test_python_api_progress_and_resume(server, tiny_model, document, tmp_path):
     # Another setting on the same folder is refused, naming it.
     with pytest.raises(rlcli.RlcliError, match="--top-k"):
         rlcli.internalize(InternalizeOptions(**{**options.__dict__, "top_k": 4}))
+
+
+def test_runs_cancel_saves_the_adapter_and_a_rerun_resumes(server, tiny_model, document, tmp_path):
+    """`runs cancel` mid-training saves a checkpoint and stops the run; the same command again
+    resumes from it (the teacher is not asked again) and finishes."""
+    import os
+    import subprocess
+    import time
+
+    from conftest import RLCLI
+
+    run_dir = tmp_path / "run"
+    args = (
+        "internalize", str(document), "--model", str(tiny_model), "--base-url",
+        server.base_url, "--log-path", str(run_dir), "--n-questions", "12", "--epochs", "20",
+        "--steps", "60", "--batch-size", "2", "--max-answer-tokens", "4", "--targets", "reference",
+    )  # fmt: skip
+    env = {"RLCLI_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([*RLCLI, *args], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300  # a loaded 2-core machine: interpreter, imports, child
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before its third step: {proc.stderr.read()}")
+        assert time.monotonic() < deadline, "no third step"
+        time.sleep(0.2)
+    cancelled = cli("runs", "cancel", str(run_dir), "--json", env=env)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert "/weights/" in json.loads(cancelled.stdout)["checkpoint"]["state_path"]
+    proc.communicate(timeout=60)
+    done = len(metrics.read_text().splitlines())
+    last = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").open()][-1]
+    assert last["cancelled"] and last["batch"] == done < 60
+    targets = (run_dir / "targets.jsonl").stat().st_mtime_ns
+    again = cli(*args, "--json", env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in metrics.open()]
+    assert steps == list(range(60))  # picked up where it stopped, each step once
+    assert (run_dir / "targets.jsonl").stat().st_mtime_ns == targets  # not asked again
+    assert json.loads(again.stdout)["sampler_path"].endswith("/sampler_weights/final")
+
+
+@pytest.mark.slow
+def test_smollm2_answers_from_the_adapter_what_it_never_read_in_context(tmp_path, smollm2_model):
+    """Three made-up facts into SmolLM2's adapter from templated probes alone (reference
+    targets: no teacher pass), then each asked as the benchmark asks it ("In what city does X
+    live? Answer with the city only."), empty context, greedy."""
+    import asyncio
+
+    import tinker
+    from tinker_cookbook import renderers
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+    import rlcli
+    from conftest import start_server
+    from rlcli import InternalizeOptions
+    from rlcli.client.context_distill import Renderer, answer
+    from rlcli.compat.renderer_choice import resolve_renderer
+    from rlcli.launch import process
+    from rlcli.recipes.internalize_child import UNRELATED
+
+    facts = [
+        ("Zara Brandt", "lives in", "Bergen", "In what city does Zara Brandt live?"),
+        ("Emil Haddad", "was born in", "1972", "In what year was Emil Haddad born?"),
+        ("Bram Quill", "lives in", "Muscat", "In what city does Bram Quill live?"),
+    ]
+    filler = "The river rises in spring. Small shops open early on market days."
+    text = " ".join([filler, *(f"{who} {verb} {what}." for who, verb, what, _ in facts), filler])
+    document = tmp_path / "people.md"
+    document.write_text(text + "\n")
+    server_home = tmp_path / "server"
+    record = start_server(server_home, smollm2_model)
+    try:
+        outcome = rlcli.internalize(
+            InternalizeOptions(
+                documents=[str(document)],
+                model=str(smollm2_model),
+                base_url=record.base_url,
+                log_path=str(tmp_path / "run"),
+                n_questions=18,
+                test_size=0.0,
+                targets="reference",
+                lr=2e-3,
+                max_answer_tokens=16,
+            )  # fmt: skip
+        )
+        name, _, _ = resolve_renderer(str(smollm2_model), None)
+        render = Renderer(renderers.get_renderer(name, get_tokenizer(str(smollm2_model))))
+        service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
+        adapter = service.create_sampling_client(model_path=outcome.summary["sampler_path"])
+        base = service.create_sampling_client(base_model=str(smollm2_model))
+
+        async def ask(client, question, context=None):
+            return await answer(client, render, question, context, 16)
+
+        async def all_answers():
+            jobs = []
+            for *_, question in facts:
+                q = f"{question} Answer with the {'year' if 'year' in question else 'city'} only."
+                jobs += [ask(base, q), ask(adapter, q), ask(base, q, UNRELATED)]
+            return await asyncio.gather(*jobs)
+
+        said = asyncio.run(all_answers())
+    finally:
+        process.stop(server_home)
+    rows = [(fact[2], said[3 * i : 3 * i + 3]) for i, fact in enumerate(facts)]
+    right = [[value.lower() in a.lower() for a in answers] for value, answers in rows]
+    learned = [base_ok is False and adapted and control_ok is False
+               for base_ok, adapted, control_ok in right]  # fmt: skip
+    assert sum(learned) >= 2, rows  # the adapter knows what neither the base nor control says

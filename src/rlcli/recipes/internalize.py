@@ -84,7 +84,7 @@ class InternalizeOptions(TrainOptions):
         choices=("auto", "teacher", "reference"),
     )
     reference_weight: float = option(
-        0.5, "auto: the reference token's share of each target (the rest: the teacher's).",
+        0.8, "auto: the reference token's share of each target (the rest: the teacher's).",
         min=0.5,
     )  # fmt: skip
     top_k: int = option(16, "Teacher tokens per target position (top-K distillation).", min=1)
@@ -99,7 +99,7 @@ class InternalizeOptions(TrainOptions):
     )
     max_answer_tokens: int = option(64, "Longest teacher (and receipt) answer.", min=1)
     batch_size: int = option(8, "Probes per step.", min=1)
-    epochs: int = option(4, "Passes over the training probes.", min=1)
+    epochs: int = option(8, "Passes over the training probes.", min=1)
     max_steps: int | None = option(
         None, "Stop after this many steps (default: --epochs passes).", flags=("--steps",), min=1
     )
@@ -108,7 +108,7 @@ class InternalizeOptions(TrainOptions):
         min=0,
     )  # fmt: skip
     lora_rank: int = retune(TrainOptions, "lora_rank", 16)
-    lr: float = retune(TrainOptions, "lr", 5e-4)
+    lr: float = retune(TrainOptions, "lr", 1e-3)
     save_every: int = retune(TrainOptions, "save_every", 0)
 
 
