@@ -55,6 +55,17 @@ def test_dry_run_plans_without_a_server(tiny_model, document, tmp_path):
     assert not run_dir.exists()  # nothing written
 
 
+def test_templated_probes_ask_about_every_fact_before_a_second_wording():
+    from rlcli.data.probes import template_probes
+
+    probes = template_probes(FACTS, 4)
+    assert [p["check"] for p in probes] == ["Lisbon", "Nairobi", "Kyoto", "1987"]
+    assert len({p["question"].split()[0] for p in probes}) == 1  # one wording each so far
+    every = template_probes(FACTS, 100)
+    assert len(every) == 4 * 6 + 1  # six wordings a fact, one continuation of the other
+    assert every[-1]["question"].startswith("Continue this sentence")
+
+
 def test_bad_input_is_one_line_and_writes_nothing(tiny_model, document, tmp_path):
     run_dir = tmp_path / "run"
     common = ["--model", tiny_model, "--dry-run", "--log-path", run_dir]

@@ -112,8 +112,9 @@ def sentence_probes(sentence: str) -> list[dict]:
 
 
 def template_probes(text: str, n: int) -> list[dict]:
-    """Up to ``n`` templated probes of a document: the sentences that name something first
-    (each in every wording, in document order), then the others."""
+    """Up to ``n`` templated probes of a document: the sentences that name something first,
+    then the others; wording by wording across sentences (every sentence's first wording,
+    then every second one...), so a cap below the total still asks about every sentence."""
     facts, others = [], []
     for sentence in sentences(text):
         probes = sentence_probes(sentence)
@@ -121,8 +122,13 @@ def template_probes(text: str, n: int) -> list[dict]:
             facts.append(probes)
         elif probes:
             others.append(probes)
-    ordered = [p for group in facts for p in group] + [p for group in others for p in group]
+    ordered = [p for groups in (facts, others) for p in _wording_by_wording(groups)]
     return [{**p, "source": "template", "held_out": False} for p in ordered[:n]]
+
+
+def _wording_by_wording(groups: list[list[dict]]) -> list[dict]:
+    most = max((len(g) for g in groups), default=0)
+    return [g[i] for i in range(most) for g in groups if i < len(g)]
 
 
 def split(probes: list[dict], test_size: float, seed: int) -> tuple[list[dict], list[dict]]:
