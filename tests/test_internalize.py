@@ -93,6 +93,24 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_model, document, tmp_path
     assert "more than the 2,000,000 a document may have" in _error(
         cli("internalize", huge, *common)
     )
+    from rlcli.models.tiny import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", vocab_size=800)
+    said = _error(cli("internalize", document, *common, "--teacher", other))
+    assert f"--teacher {other}: its tokenizer differs from --model's" in said
+    assert not run_dir.exists()
+
+
+def test_a_server_without_the_model_is_refused_before_a_run_folder(server, document, tmp_path):
+    from rlcli.models.tiny import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", vocab_size=800)
+    run_dir = tmp_path / "run"
+    result = cli("internalize", document, "--model", other, "--base-url", server.base_url,
+                 "--log-path", run_dir)  # fmt: skip
+    assert result.returncode == 1
+    said = result.stderr.strip().splitlines()[-1]  # after the renderer and server lines
+    assert said.startswith(f"error: --model {other}: the server at {server.base_url} serves")
     assert not run_dir.exists()
 
 
