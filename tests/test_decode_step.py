@@ -369,3 +369,37 @@ def test_scoring_the_last_tokens_only_agrees_with_scoring_the_whole_prompt(tiny_
             assert (last.topk_prompt[0][-n:] == whole.topk_prompt[0][-n:]).all()
             np.testing.assert_allclose(last.topk_prompt[1][-n:], whole.topk_prompt[1][-n:],
                                        atol=1e-5)  # fmt: skip
+
+
+def test_prompts_opening_alike_prefill_the_opening_once_with_the_same_results(engine):
+    """A document before several questions (a teacher's probes): the common opening is
+    prefilled once (``shared_tokens``), and each prompt's scored tokens, top-k and greedy
+    continuation equal that prompt run alone."""
+    from rlcli.server.engine.slot_batch import SHARED_PREFIX_MIN, shared_prefix
+
+    opening = (np.arange(90, dtype=np.int64) * 13 + 7) % 900 + 5
+    prompts = [np.concatenate([opening, (np.arange(k, dtype=np.int64) + k) * 3 % 900 + 5])
+               for k in (4, 11, 7)]  # fmt: skip
+    assert shared_prefix(prompts, 3) == 90 and shared_prefix(prompts, 0) == 0
+    assert shared_prefix([p[:SHARED_PREFIX_MIN] for p in prompts], 1) == 0  # too short
+    assert shared_prefix(prompts, 6) == 90 - 2  # the shortest's 6 scored positions stay out
+
+    def job(prompt, sampler):
+        return SampleJob(prompt=prompt, seed=None, sampler=sampler, stop_at_eos=False,
+                         max_tokens=5, num_samples=1, temperature=0.0, prompt_logprobs=True,
+                         topk_prompt_logprobs=3, prompt_logprobs_last_n=3)  # fmt: skip
+
+    for sampler in (None, "one"):
+        batch = engine.decode_batch(sampler)
+        done = batch.admit([job(p, sampler) for p in prompts], [0, 1, 2])
+        while len(batch):
+            done += batch.step()
+        assert batch.shared_tokens == 90 * 2
+        together = dict(done)
+        for i, prompt in enumerate(prompts):
+            (alone,) = engine.sample([job(prompt, sampler)])
+            got = together[i]
+            assert got.sequences[0][0].tolist() == alone.sequences[0][0].tolist()
+            np.testing.assert_allclose(got.prompt_logprobs[-3:], alone.prompt_logprobs[-3:],
+                                       atol=1e-4)  # fmt: skip
+            assert (got.topk_prompt[0][-3:] == alone.topk_prompt[0][-3:]).all()

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlcli.server.engine.decode_step import ATTN, HEAD, MLP, Compiled, LlamaStep, bucket
@@ -31,11 +32,29 @@ from rlcli.server.engine.sampling import (
 )
 
 LENGTH_STEP = 128  # cache length granularity (tokens): the step attends to all of it, masked
+SHARED_PREFIX_MIN = 64  # tokens: prompts sharing a shorter opening are prefilled whole
 
 # A LoRA's weights for the step, read once from peft: {(layer, projection) or "lm_head":
 # (A [r, in], B [out, r] * scaling)}.
 LoraWeights = dict[Any, tuple[torch.Tensor, torch.Tensor]]
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+def shared_prefix(prompts, keep: int) -> int:
+    """How many opening tokens ``prompts`` (two or more) prefill once: their common prefix,
+    short of the last ``keep`` positions of the shortest (its logits come from its rest) and
+    of its last token, if that is ``SHARED_PREFIX_MIN`` or more; else 0. Not where every
+    position's logits are wanted (``keep`` 0)."""
+    if len(prompts) < 2 or keep == 0:
+        return 0
+    shortest = min(len(p) for p in prompts)
+    first = prompts[0][:shortest]
+    same = np.ones(shortest, dtype=bool)
+    for prompt in prompts[1:]:
+        same &= prompt[:shortest] == first
+    common = shortest if same.all() else int(np.argmin(same))
+    shared = min(common, shortest - max(keep, 1))
+    return shared if shared >= SHARED_PREFIX_MIN else 0
 
 
 class LoraStack:
@@ -143,6 +162,7 @@ class SlotBatch(DecodeBatch):
         self.prompt_keys: list[tuple] = []
         self._first_logits: dict[tuple, torch.Tensor] = {}
         self.reused = 0  # prompts copied from a running row instead of prefilled
+        self.shared_tokens = 0  # prompt tokens not prefilled again: a shared prefix's copies
 
     def accepts(self, key: str | None) -> bool:
         return self._accepts(key)
@@ -192,9 +212,14 @@ class SlotBatch(DecodeBatch):
 
     def _prefill(self, module, prompts, keep: int):
         """The HF forward over left-padded ``prompts``, logits for the last ``keep`` positions
-        (0: all): (logits, per layer (K, V), width)."""
+        (0: all): (logits, per layer (K, V), width). Prompts that open with the same
+        ``SHARED_PREFIX_MIN`` tokens or more (a document before several questions about it)
+        prefill that prefix once (``_shared_prefill``)."""
         from transformers.cache_utils import DynamicCache
 
+        shared = shared_prefix(prompts, keep)
+        if shared:
+            return self._shared_prefill(module, prompts, keep, shared)
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -212,6 +237,57 @@ class SlotBatch(DecodeBatch):
         )
         self.prefills += len(prompts)
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        return out.logits, layers, width
+
+    def _shared_prefill(self, module, prompts, keep: int, shared: int):
+        """``_prefill`` with the prompts' first ``shared`` tokens run once: the prefix alone,
+        then every prompt's rest (left-padded) over a copy of its K/V per row. The K/V come
+        back laid out as ``_prefill``'s (each row's prompt the last of ``width`` positions)."""
+        from transformers.cache_utils import DynamicCache
+
+        dev, rows = self.device, len(prompts)
+        head = torch.from_numpy(prompts[0][:shared]).unsqueeze(0).to(dev)
+        cache = DynamicCache()
+        module(
+            input_ids=head,
+            attention_mask=torch.ones_like(head),
+            position_ids=torch.arange(shared, device=dev).unsqueeze(0),
+            past_key_values=cache,
+            logits_to_keep=1,
+        )
+        for layer in cache.layers:
+            layer.keys = layer.keys.expand(rows, -1, -1, -1).contiguous()
+            layer.values = layer.values.expand(rows, -1, -1, -1).contiguous()
+        rests = [p[shared:] for p in prompts]
+        rest_width = max(len(r) for r in rests)
+        input_ids = torch.full((rows, rest_width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros(rows, shared + rest_width, dtype=torch.long)
+        attention[:, :shared] = 1
+        for u, rest in enumerate(rests):
+            input_ids[u, rest_width - len(rest) :] = torch.from_numpy(rest)
+            attention[u, shared + rest_width - len(rest) :] = 1
+        positions = shared + (attention[:, shared:].cumsum(-1) - 1).clamp(min=0)
+        out = module(
+            input_ids=input_ids.to(dev),
+            attention_mask=attention.to(dev),
+            position_ids=positions.to(dev),
+            past_key_values=cache,
+            logits_to_keep=keep,
+        )
+        self.prefills += rows
+        self.shared_tokens += shared * (rows - 1)
+        width = shared + rest_width
+        layers = []
+        for layer in out.past_key_values.layers:
+            pair = []
+            for t in (layer.keys, layer.values):
+                laid = torch.zeros_like(t)  # [rows, heads, width, dim]: prefix next to its rest
+                for u, rest in enumerate(rests):
+                    pad = rest_width - len(rest)
+                    laid[u, :, pad : pad + shared] = t[u, :, :shared]
+                    laid[u, :, pad + shared :] = t[u, :, shared + pad :]
+                pair.append(laid)
+            layers.append(tuple(pair))
         return out.logits, layers, width
 
     def _place(self, rows, expand, prompts, layers, last_logits, width, adapter, keys) -> None:
