@@ -372,17 +372,24 @@ def test_scoring_the_last_tokens_only_agrees_with_scoring_the_whole_prompt(tiny_
 
 
 def test_prompts_opening_alike_prefill_the_opening_once_with_the_same_results(engine):
-    """A document before several questions (a teacher's probes): the common opening is
-    prefilled once (``shared_tokens``), and each prompt's scored tokens, top-k and greedy
-    continuation equal that prompt run alone."""
-    from rlcli.server.engine.slot_batch import SHARED_PREFIX_MIN, shared_prefix
+    """Documents before several questions each (a teacher's probes, several chunks in one
+    batch): each document's opening is prefilled once (``shared_tokens``), and every prompt's
+    scored tokens, top-k and greedy continuation equal that prompt run alone."""
+    from rlcli.server.engine.slot_batch import SHARED_PREFIX_MIN, prefix_groups, shared_prefix
 
-    opening = (np.arange(90, dtype=np.int64) * 13 + 7) % 900 + 5
-    prompts = [np.concatenate([opening, (np.arange(k, dtype=np.int64) + k) * 3 % 900 + 5])
-               for k in (4, 11, 7)]  # fmt: skip
-    assert shared_prefix(prompts, 3) == 90 and shared_prefix(prompts, 0) == 0
-    assert shared_prefix([p[:SHARED_PREFIX_MIN] for p in prompts], 1) == 0  # too short
-    assert shared_prefix(prompts, 6) == 90 - 2  # the shortest's 6 scored positions stay out
+    def opening(seed):
+        return (np.arange(90, dtype=np.int64) * 13 + seed) % 900 + 5
+
+    def ask(doc, k):
+        return np.concatenate([doc, (np.arange(k, dtype=np.int64) + k) * 3 % 900 + 5])
+
+    first, second = opening(7), opening(8)
+    prompts = [ask(first, 4), ask(second, 5), ask(first, 11), ask(second, 9), ask(first, 7),
+               (np.arange(20, dtype=np.int64) * 5) % 900 + 5]  # fmt: skip
+    assert shared_prefix(prompts[0::2][:3], 3) == 90 and shared_prefix(prompts[0::2][:3], 0) == 0
+    assert shared_prefix([p[:SHARED_PREFIX_MIN] for p in prompts[:3]], 1) == 0  # too short
+    assert shared_prefix(prompts[0::2][:3], 6) == 90 - 2  # the shortest's 6 positions stay out
+    assert prefix_groups(prompts, 3) == [([0, 2, 4], 90), ([1, 3], 90), ([5], 0)]
 
     def job(prompt, sampler):
         return SampleJob(prompt=prompt, seed=None, sampler=sampler, stop_at_eos=False,
@@ -391,10 +398,10 @@ def test_prompts_opening_alike_prefill_the_opening_once_with_the_same_results(en
 
     for sampler in (None, "one"):
         batch = engine.decode_batch(sampler)
-        done = batch.admit([job(p, sampler) for p in prompts], [0, 1, 2])
+        done = batch.admit([job(p, sampler) for p in prompts], list(range(len(prompts))))
         while len(batch):
             done += batch.step()
-        assert batch.shared_tokens == 90 * 2
+        assert batch.shared_tokens == 90 * 2 + 90 * 1
         together = dict(done)
         for i, prompt in enumerate(prompts):
             (alone,) = engine.sample([job(prompt, sampler)])

@@ -40,6 +40,52 @@ LoraWeights = dict[Any, tuple[torch.Tensor, torch.Tensor]]
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
+def prefix_groups(prompts, keep: int) -> list[tuple[list[int], int]]:
+    """``prompts`` grouped for prefill, as (indices, tokens shared): those opening with the same
+    ``SHARED_PREFIX_MIN`` tokens, each group with its ``shared_prefix``; every prompt that
+    shares nothing in one last group with 0. A batch of a teacher's probes mixes several
+    documents' chunks."""
+    if len(prompts) < 2 or keep == 0:
+        return [(list(range(len(prompts))), 0)]
+    openings: dict[bytes, list[int]] = {}
+    alone = []
+    for u, prompt in enumerate(prompts):
+        if len(prompt) > SHARED_PREFIX_MIN:
+            openings.setdefault(prompt[:SHARED_PREFIX_MIN].tobytes(), []).append(u)
+        else:
+            alone.append(u)
+    groups = []
+    for rows in openings.values():
+        shared = shared_prefix([prompts[u] for u in rows], keep)
+        if shared:
+            groups.append((rows, shared))
+        else:
+            alone += rows
+    if alone:
+        groups.append((sorted(alone), 0))
+    return groups
+
+
+def _stacked(parts, count: int):
+    """The groups' prefills (``parts``: (indices, (logits, layers, width))) as one: rows in
+    index order, each left-padded to the widest (a row's prompt the last of its positions)."""
+    kept = max(logits.shape[1] for _, (logits, _, _) in parts)
+    width = max(w for _, (_, _, w) in parts)
+    sample_logits, sample_layers, _ = parts[0][1]
+    logits = sample_logits.new_zeros(count, kept, sample_logits.shape[-1])
+    layers = [
+        tuple(t.new_zeros(count, t.shape[1], width, t.shape[3]) for t in pair)
+        for pair in sample_layers
+    ]
+    for rows, (part_logits, part_layers, part_width) in parts:
+        index = torch.tensor(rows, device=logits.device)
+        logits[index, kept - part_logits.shape[1] :] = part_logits
+        for whole, pair in zip(layers, part_layers, strict=True):
+            for into, t in zip(whole, pair, strict=True):
+                into[index, :, width - part_width :] = t
+    return logits, layers, width
+
+
 def shared_prefix(prompts, keep: int) -> int:
     """How many opening tokens ``prompts`` (two or more) prefill once: their common prefix,
     short of the last ``keep`` positions of the shortest (its logits come from its rest) and
@@ -212,14 +258,21 @@ class SlotBatch(DecodeBatch):
 
     def _prefill(self, module, prompts, keep: int):
         """The HF forward over left-padded ``prompts``, logits for the last ``keep`` positions
-        (0: all): (logits, per layer (K, V), width). Prompts that open with the same
-        ``SHARED_PREFIX_MIN`` tokens or more (a document before several questions about it)
-        prefill that prefix once (``_shared_prefill``)."""
+        (0: all): (logits, per layer (K, V), width). Prompts that open alike (a document before
+        several questions about it) prefill their common opening once (``prefix_groups``,
+        ``_shared_prefill``); the groups' outputs are stacked back in ``prompts``' order."""
+        parts = [
+            (rows, self._shared_prefill(module, [prompts[u] for u in rows], keep, shared)
+             if shared else self._plain_prefill(module, [prompts[u] for u in rows], keep))
+            for rows, shared in prefix_groups(prompts, keep)
+        ]  # fmt: skip
+        if len(parts) == 1:
+            return parts[0][1]
+        return _stacked(parts, len(prompts))
+
+    def _plain_prefill(self, module, prompts, keep: int):
         from transformers.cache_utils import DynamicCache
 
-        shared = shared_prefix(prompts, keep)
-        if shared:
-            return self._shared_prefill(module, prompts, keep, shared)
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros(len(prompts), width, dtype=torch.long)
