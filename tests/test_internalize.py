@@ -234,6 +234,7 @@ def test_smollm2_answers_from_the_adapter_what_it_never_read_in_context(tmp_path
     targets: no teacher pass), then each asked as the benchmark asks it ("In what city does X
     live? Answer with the city only."), empty context, greedy."""
     import asyncio
+    import warnings
 
     import tinker
     from tinker_cookbook import renderers
@@ -275,8 +276,9 @@ def test_smollm2_answers_from_the_adapter_what_it_never_read_in_context(tmp_path
         name, _, _ = resolve_renderer(str(smollm2_model), None)
         render = Renderer(renderers.get_renderer(name, get_tokenizer(str(smollm2_model))))
         service = tinker.ServiceClient(base_url=record.base_url, api_key="tml-dummy")
-        adapter = service.create_sampling_client(model_path=outcome.summary["sampler_path"])
-        base = service.create_sampling_client(base_model=str(smollm2_model))
+        path = outcome.summary["sampler_path"]
+        adapter = service.create_sampling_client(model_path=path).result()
+        base = service.create_sampling_client(base_model=str(smollm2_model)).result()
 
         async def ask(client, question, context=None):
             return await answer(client, render, question, context, 16)
@@ -288,7 +290,9 @@ def test_smollm2_answers_from_the_adapter_what_it_never_read_in_context(tmp_path
                 jobs += [ask(base, q), ask(adapter, q), ask(base, q, UNRELATED)]
             return await asyncio.gather(*jobs)
 
-        said = asyncio.run(all_answers())
+        with warnings.catch_warnings():  # answer() calls sample_async, which 0.38 deprecates
+            warnings.simplefilter("ignore", FutureWarning)
+            said = asyncio.run(all_answers())
     finally:
         process.stop(server_home)
     rows = [(fact[2], said[3 * i : 3 * i + 3]) for i, fact in enumerate(facts)]
