@@ -104,9 +104,9 @@ async def ask_all(service, render, model: str, jobs: list[tuple]) -> list[str]:
     for path, _, _ in jobs:
         if path not in clients:
             clients[path] = await (
-                service.create_sampling_client_async(model_path=path)
+                service.create_sampling_client(model_path=path)
                 if path
-                else service.create_sampling_client_async(base_model=model)
+                else service.create_sampling_client(base_model=model)
             )
     semaphore = asyncio.Semaphore(16)
 

@@ -234,7 +234,6 @@ def test_smollm2_answers_from_the_adapter_what_it_never_read_in_context(tmp_path
     targets: no teacher pass), then each asked as the benchmark asks it ("In what city does X
     live? Answer with the city only."), empty context, greedy."""
     import asyncio
-    import warnings
 
     import tinker
     from tinker_cookbook import renderers
@@ -290,9 +289,7 @@ def test_smollm2_answers_from_the_adapter_what_it_never_read_in_context(tmp_path
                 jobs += [ask(base, q), ask(adapter, q), ask(base, q, UNRELATED)]
             return await asyncio.gather(*jobs)
 
-        with warnings.catch_warnings():  # answer() calls sample_async, which 0.38 deprecates
-            warnings.simplefilter("ignore", FutureWarning)
-            said = asyncio.run(all_answers())
+        said = asyncio.run(all_answers())
     finally:
         process.stop(server_home)
     rows = [(fact[2], said[3 * i : 3 * i + 3]) for i, fact in enumerate(facts)]

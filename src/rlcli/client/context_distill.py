@@ -99,7 +99,7 @@ async def teacher_row(
             rows = [([t], [1.0]) for t in answer]
         else:
             sequence = tinker.ModelInput.from_ints(teacher_prompt + answer)
-            response = await teacher.sample_async(
+            response = await teacher.sample(
                 prompt=sequence,
                 num_samples=1,
                 sampling_params=tinker.SamplingParams(max_tokens=1, temperature=GREEDY),
@@ -114,7 +114,7 @@ async def teacher_row(
             ]
         kind = "reference" if targets == "reference" else "reference+teacher"
     else:
-        response = await teacher.sample_async(
+        response = await teacher.sample(
             prompt=tinker.ModelInput.from_ints(teacher_prompt),
             num_samples=1,
             sampling_params=tinker.SamplingParams(
@@ -169,7 +169,7 @@ async def answer(client, render: Renderer, question: str, document: str | None, 
     """The client's greedy answer to ``question`` (with ``document`` before it, or none)."""
     import tinker
 
-    response = await client.sample_async(
+    response = await client.sample(
         prompt=tinker.ModelInput.from_ints(render.prompt(question, document)),
         num_samples=1,
         sampling_params=tinker.SamplingParams(

@@ -101,7 +101,7 @@ async def targets(spec, service, render, documents, train) -> list[dict]:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         if len(rows) == len(train):
             return rows
-    teacher = await service.create_sampling_client_async(base_model=plan["teacher_model"])
+    teacher = await service.create_sampling_client(base_model=plan["teacher_model"])
     rows = await gathered(
         [
             teacher_row(
@@ -151,12 +151,10 @@ async def train_loop(spec: dict, service, rows: list[dict]) -> dict:
     if last is not None and last.final:
         return {"state_path": last.state_path, "sampler_path": last.get("sampler_path")}
     if last is not None:
-        trainer = await service.create_training_client_from_state_with_optimizer_async(
-            last.state_path
-        )
+        trainer = await service.create_training_client_from_state_with_optimizer(last.state_path)
         start = int(last.batch or 0)
     else:
-        trainer = await service.create_lora_training_client_async(
+        trainer = await service.create_lora_training_client(
             base_model=opts["model"], rank=opts["lora_rank"], seed=opts["seed"]
         )
         start = 0
@@ -173,10 +171,10 @@ async def train_loop(spec: dict, service, rows: list[dict]) -> dict:
             lr = opts["lr"] * (1 - step / steps)
             batch = batches(rows, opts["batch_size"], opts["seed"], step)
             data = [datum(r) for r in batch]
-            backward = await trainer.forward_backward_async(data, "cross_entropy")
-            update = await trainer.optim_step_async(tinker.AdamParams(learning_rate=lr))
-            result = await backward.result_async()
-            await update.result_async()
+            backward = trainer.forward_backward(data, "cross_entropy")
+            update = trainer.optim_step(tinker.AdamParams(learning_rate=lr))
+            result = await backward
+            await update
             weight = sum(sum(map(sum, r["target_weights"])) for r in batch) or 1.0
             logger.log_metrics(
                 {
@@ -266,8 +264,8 @@ async def score(spec, service, render, documents, probes, sampler_path: str) -> 
 
     opts = spec["options"]
     held = [p for p in probes if p["held_out"]]
-    base_client = await service.create_sampling_client_async(base_model=opts["model"])
-    adapter = await service.create_sampling_client_async(model_path=sampler_path)
+    base_client = await service.create_sampling_client(base_model=opts["model"])
+    adapter = await service.create_sampling_client(model_path=sampler_path)
     n = opts["max_answer_tokens"]
 
     def unrelated(p) -> str:
