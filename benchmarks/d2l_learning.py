@@ -396,7 +396,7 @@ def timing(args, tmp: str, dtype: str) -> dict:
     from rlcli.data.d2l_examples import synthetic_facts
 
     tok = AutoTokenizer.from_pretrained(args.timing_model)
-    doc = synthetic_facts(1, seed=7, filler=120)[0]["document"]
+    doc = synthetic_facts(1, seed=7, filler=200)[0]["document"]  # > 1,000 tokens, cut
     ids = tok(doc, add_special_tokens=False)["input_ids"][: args.doc_tokens]
     doc = tok.decode(ids)
     with _receipt.local_server(
