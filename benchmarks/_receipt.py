@@ -71,18 +71,21 @@ def local_server(
     dtype: str = "auto",
     device: str = "cpu",
     extra_args: list[str] | tuple[str, ...] = (),
+    checkpoints_dir: str | Path = "",
 ):
     """Our torch server for ``model`` on a free loopback port (``--device``, ``--dtype``, then
     ``extra_args`` as given, e.g. ``["--no-compile"]``), stopped on exit. The server inherits
-    this environment (``RLCLI_*`` variables included)."""
+    this environment (``RLCLI_*`` variables included); ``checkpoints_dir``: where it keeps
+    checkpoints (default: ``$RLCLI_HOME/checkpoints``, as ``serve start``)."""
     from rlcli.demo.run import free_port
     from rlcli.launch import process
     from rlcli.launch import torch_server as torch_backend
 
     home = Path(tmp) / "home"
     opts = torch_backend.TorchServerOptions(
-        base_model=str(model), port=free_port(), device=device, dtype=dtype
-    )
+        base_model=str(model), port=free_port(), device=device, dtype=dtype,
+        checkpoints_dir=str(checkpoints_dir),
+    )  # fmt: skip
     launch = torch_backend.launch(opts)
     launch.command = [*launch.command, *extra_args]
     record, healthy = process.start_detached(home, launch, wait=wait)
