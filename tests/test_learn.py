@@ -309,12 +309,15 @@ def _wait_gone(pid: int, timeout: float = 60) -> None:
 def test_smollm2_learns_the_answer_format_from_corrections(tmp_path, smollm2_model):
     """SmolLM2-135M-Instruct answers "What is A + B? Reply with the number only." with
     "A + B = C" (0 exact matches); one round on 40 corrections (the sum alone) is promoted and
-    the held-out score rises by at least 20 points."""
+    the held-out score rises by at least 20 points. Single digits: the model adds them right
+    (12 of 16 within its "A + B = C"), so the score measures the format it learned, not its
+    arithmetic (two-digit sums held it at the bar: 2 of 8 after 3 epochs). Two epochs: these
+    held-out 0 -> 8 of 8, and +50 to +73 points on three other sets (2026-12-04)."""
     from conftest import start_server
     from rlcli.launch import process
 
     rng = random.Random(0)
-    pairs = [(rng.randint(10, 49), rng.randint(10, 49)) for _ in range(40)]
+    pairs = [(rng.randint(1, 9), rng.randint(1, 9)) for _ in range(40)]
     rows = [{
         "messages": [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."},
                      {"role": "assistant", "content": f"{a} + {b} = {a + b}"}],
@@ -329,8 +332,8 @@ def test_smollm2_learns_the_answer_format_from_corrections(tmp_path, smollm2_mod
         url = ["--base-url", record.base_url]
         assert cli("alias", "set", "sums", str(smollm2_model), *url).returncode == 0
         env = {"RLCLI_HOME": str(tmp_path / "home")}
-        out = cli("learn", "--alias", "sums", "--traces", data, "--lr", "1e-3", "--epochs", "3",
-                  "--max-tokens", "12", "--json", *url, env=env)  # fmt: skip
+        out = cli("learn", "--alias", "sums", "--traces", data, "--lr", "1e-3", "--epochs", "2",
+                  "--max-tokens", "8", "--json", *url, env=env)  # fmt: skip
         assert out.returncode == 0, out.stderr
         receipt = json.loads(out.stdout)
         held = receipt["scores"]["held_out"]
