@@ -55,8 +55,8 @@ def import_gguf(
             "models import-gguf needs the gguf package, which is not installed: "
             "pip install 'rlcli[gguf]'"
         )
-    check_gguf(gguf_file)  # a corrupt file is one line before anything is written
+    reader = check_gguf(gguf_file)  # a corrupt file is one line before anything is written
     info(f"converting {gguf_file} ...")
-    folder = convert(gguf_file, out)
+    folder = convert(gguf_file, out, reader)
     serve = f"rlcli serve start --base-model {folder}"
     emit({"path": str(folder), "serve": serve}, as_json=as_json)

@@ -37,14 +37,14 @@ def convert_gguf_cached(gguf_file: str | os.PathLike[str], report=None) -> Path:
     target = gguf_folder(source)
     if is_local_model(str(target)):
         return target
-    check_gguf(gguf_file)
+    reader = check_gguf(gguf_file)
     if report:
         report(f"converting {source.name} into {target} (once; later runs reuse it)")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        import_gguf(source, tmp)
+        import_gguf(source, tmp, reader)
         (tmp / "rlcli_gguf.json").write_text(
             json.dumps({"source": str(source), "conversion": GGUF_CONVERSION}) + "\n"
         )
@@ -58,14 +58,17 @@ def convert_gguf_cached(gguf_file: str | os.PathLike[str], report=None) -> Path:
     return target
 
 
-def import_gguf(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+def import_gguf(
+    gguf_file: str | os.PathLike[str], out: str | os.PathLike[str], reader=None
+) -> Path:
     """Convert a GGUF checkpoint (dequantized to float32) into a ``save_pretrained`` folder,
-    which every part of the stack loads: the server, the SDK's tokenizer, the cookbook."""
+    which every part of the stack loads: the server, the SDK's tokenizer, the cookbook.
+    ``reader``: what ``check_gguf`` returned for the file, where the caller checked it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
     source = Path(gguf_file).expanduser().resolve()
-    check_gguf(gguf_file)
+    reader = reader or check_gguf(gguf_file)
     target = Path(out).expanduser().resolve()
     verbosity = transformers_logging.get_verbosity()
     # its GGUF reader warns about fields it fills with defaults; a failure is our one line
@@ -75,7 +78,7 @@ def import_gguf(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str]) 
             AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         )
         model = AutoModelForCausalLM.from_pretrained(
-            source.parent, gguf_file=source.name, config=gguf_config(source)
+            source.parent, gguf_file=source.name, config=gguf_config(source, reader)
         )
     except (ValueError, OSError, KeyError, IndexError, RuntimeError) as e:
         # a well-formed GGUF transformers cannot read: an unknown architecture, missing fields
@@ -93,12 +96,13 @@ def import_gguf(gguf_file: str | os.PathLike[str], out: str | os.PathLike[str]) 
 GGUF_MAGIC = b"GGUF"
 
 
-def check_gguf(gguf_file: str | os.PathLike[str]) -> None:
+def check_gguf(gguf_file: str | os.PathLike[str]):
     """Refuse, in one line naming the file, anything that is not a whole GGUF model: missing,
     empty, another format, a truncated header, no architecture or no tensors, a tensor whose
     data lies past the end. Every entry point that reads a user's ``.gguf`` (``serve start
     --base-model``, ``models import-gguf``, a ``.gguf`` teacher) converts through here, so no
-    reader's IndexError or numpy ValueError reaches the user."""
+    reader's IndexError or numpy ValueError reaches the user. Returns the file's
+    ``gguf.GGUFReader`` (reading a 49k-token vocabulary's fields takes seconds: read once)."""
     path = Path(gguf_file).expanduser()
     if not path.is_file():
         raise RlcliError(f"{gguf_file}: no such GGUF file")
@@ -133,18 +137,19 @@ def check_gguf(gguf_file: str | os.PathLike[str]) -> None:
             raise RlcliError(
                 f"{gguf_file}: tensor {tensor.name} lies past the end of the file ({size} bytes)"
             )
+    return reader
 
 
-def gguf_config(source: Path):
+def gguf_config(source: Path, reader=None):
     """transformers' config of a GGUF file, with ``head_dim`` from the file's
     ``attention.key_length``: transformers (5.5) leaves Qwen3's at its default of 128, so a
     model whose heads are another size (``hidden / heads``, the tiny model's 16) would not
-    load."""
+    load. ``reader``: the file's ``gguf.GGUFReader`` where the caller has one."""
     import gguf
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
-    reader = gguf.GGUFReader(str(source))
+    reader = reader or gguf.GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
     field = reader.fields.get(f"{arch}.attention.key_length")
     if field is not None and hasattr(config, "head_dim"):
