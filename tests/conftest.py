@@ -93,15 +93,16 @@ def pytest_make_collect_report(collector):  # a module that skips itself as a wh
 # The files that take longest (docs/testing.md), run first: pytest-xdist (pyproject's addopts,
 # `-n 3 --dist loadfile`) hands whole files to its workers in collection order, so a long file
 # collected last would leave one worker running it alone at the end.
-LONGEST_FIRST = [  # by their wall seconds in a -n 3 run (2026-12-04): 241 s ... 27 s
-    "test_skyrl_jax.py", "test_learn.py", "test_train_rl.py", "test_gguf_export.py",
-    "test_run_control.py", "test_train_sl.py", "test_checkpoints.py", "test_serve_cli.py",
+LONGEST_FIRST = [  # by wall seconds, -n 3 (2026-12-04; test_internalize now has a SmolLM2 test)
+    "test_skyrl_jax.py", "test_learn.py", "test_internalize.py", "test_train_rl.py",
+    "test_gguf_export.py", "test_run_control.py", "test_train_sl.py", "test_checkpoints.py",
+    "test_serve_cli.py",
     "test_train_opsd.py", "test_resume.py", "test_bf16_rl.py", "test_decode_step.py",
     "test_runs.py", "test_train_harbor.py", "test_safety.py", "test_demo.py",
     "test_train_dpo.py", "test_traces.py", "test_estimate.py", "test_skyrl_backend.py",
     "test_engine_death.py", "test_aliases.py", "test_renderers.py", "test_endpoint.py",
     "test_generations.py", "test_tool_calls.py", "test_eval.py", "test_run_folders.py",
-    "test_internalize.py", "test_eval_harbor.py",
+    "test_eval_harbor.py",
 ]  # fmt: skip
 
 
