@@ -102,7 +102,10 @@ async def targets(spec, service, render, documents, train) -> list[dict]:
         if len(rows) == len(train):
             return rows
     teacher = await service.create_sampling_client(base_model=plan["teacher_model"])
-    rows = await gathered(
+    # Asked chunk by chunk, so the server's batches hold probes of one chunk, whose opening it
+    # prefills once (docs/server-engine.md); answered back in the probes' order.
+    order = sorted(range(len(train)), key=lambda i: (train[i]["document"], train[i]["chunk"]))
+    asked = await gathered(
         [
             teacher_row(
                 teacher,
@@ -114,11 +117,14 @@ async def targets(spec, service, render, documents, train) -> list[dict]:
                 opts["reference_weight"],
                 opts["max_answer_tokens"],
             )  # fmt: skip
-            for p in train
+            for p in (train[i] for i in order)
         ],
         spec,
         "the teacher answers the probes with the document in view",
     )
+    rows = [None] * len(train)
+    for i, row in zip(order, asked, strict=True):
+        rows[i] = row
     atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
