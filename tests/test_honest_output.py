@@ -75,10 +75,12 @@ def test_final_tables_print_every_value_whole_at_80_columns(capsys, monkeypatch)
         path = "tinker://" + "r" * (n - 30) + "/sampler_weights/000004"
         emit({"run_dir": "/tmp/run", "state_path": path, "final_loss": 1.5}, as_json=False)
         assert path in capsys.readouterr().out, n
-        stats = {"model": "m", "checkpoint": path, "tasks": 4, "mean_reward": 0.5}
+        stats = {"model": "m", "checkpoint": path, "policy": "checkpoint", "tasks": 4}
+        stats |= {"mean_reward": 0.5}
         stats |= {"std_reward": 0.1, "pass_rate": 0.5, "tokens_generated": 9}
         stats |= {"seconds": 1.0, "tasks_per_s": 4.0, "tokens_per_s": 9.0}
-        result = {"env": "arithmetic", "tasks": 4, "seed": 0, "base": {**stats, "checkpoint": None}}
+        base = {**stats, "checkpoint": None, "policy": "base"}
+        result = {"env": "arithmetic", "tasks": 4, "seed": 0, "base": base}
         evaluate.table(result | {"checkpoint": stats, "difference": {"mean_reward": 0.1}})
         out = capsys.readouterr().out
         assert path in out and "…" not in out, n
