@@ -268,7 +268,8 @@ def test_smollm2_answers_from_the_adapter_what_it_never_read_in_context(tmp_path
                 n_questions=18,
                 test_size=0.0,
                 targets="reference",
-                lr=2e-3,
+                lr=3e-3,
+                epochs=5,
                 max_answer_tokens=16,
             )  # fmt: skip
         )
