@@ -234,9 +234,8 @@ def test_dry_run_plans_and_a_bad_dataset_is_named(tmp_path, tiny_model):
 def test_runs_cancel_saves_the_hypernet_and_a_resume_continues(tmp_path, server, tiny_model):
     import os
     import subprocess
-    import time
 
-    from conftest import RLCLI
+    from conftest import RLCLI, wait_for_steps
 
     run_dir = tmp_path / "run"
     args = (
@@ -248,12 +247,7 @@ def test_runs_cancel_saves_the_hypernet_and_a_resume_continues(tmp_path, server,
     proc = subprocess.Popen([*RLCLI, *args], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **env})  # fmt: skip
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 300  # a loaded 2-core machine: interpreter, imports, child
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended before its third step: {proc.stderr.read()}")
-        assert time.monotonic() < deadline, "no third step"
-        time.sleep(0.2)
+    wait_for_steps(run_dir, 3, proc, timeout=300)  # loaded 2 cores: interpreter, imports, child
     cancelled = cli("runs", "cancel", str(run_dir), "--json", env=env)
     assert cancelled.returncode == 0, cancelled.stderr
     path = json.loads(cancelled.stdout)["checkpoint"]["state_path"]

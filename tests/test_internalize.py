@@ -192,9 +192,8 @@ def test_runs_cancel_saves_the_adapter_and_a_rerun_resumes(server, tiny_model, d
     resumes from it (the teacher is not asked again) and finishes."""
     import os
     import subprocess
-    import time
 
-    from conftest import RLCLI
+    from conftest import RLCLI, wait_for_steps
 
     run_dir = tmp_path / "run"
     args = (
@@ -206,12 +205,7 @@ def test_runs_cancel_saves_the_adapter_and_a_rerun_resumes(server, tiny_model, d
     proc = subprocess.Popen([*RLCLI, *args], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **env})  # fmt: skip
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 300  # a loaded 2-core machine: interpreter, imports, child
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended before its third step: {proc.stderr.read()}")
-        assert time.monotonic() < deadline, "no third step"
-        time.sleep(0.2)
+    wait_for_steps(run_dir, 3, proc, timeout=300)  # loaded 2 cores: interpreter, imports, child
     cancelled = cli("runs", "cancel", str(run_dir), "--json", env=env)
     assert cancelled.returncode == 0, cancelled.stderr
     assert "/weights/" in json.loads(cancelled.stdout)["checkpoint"]["state_path"]
