@@ -3,8 +3,8 @@
 Real server processes on 127.0.0.1 with the tiny model: the session's float32 server and a
 bf16 one (``--dtype bfloat16``). The mismatch metric is checked where sampler and trainer agree
 (float32: ratios are 1 up to rounding) and where a datum's sampler logprobs were made wrong on
-purpose; the same RL job through the cookbook's own loop learns on both servers and ends at
-rewards within LEARNED_REWARD_ATOL of each other.
+purpose; the same RL job through the cookbook's own loop learns on both servers, and bf16 ends
+at most LEARNED_REWARD_ATOL below float32.
 """
 
 from __future__ import annotations
@@ -25,9 +25,13 @@ from conftest import LowTokensBuilder, cli, start_server
 MEAN = "rlcli/logp_diff_mean:mean"
 MAX = "rlcli/logp_diff_max:max"
 OUTSIDE = "rlcli/ratio_outside_frac:mean"
-# Mean reward of the last 4 of 16 steps, bf16 vs float32 server (measured on the tiny model:
-# see test output); both must also have learned (LEARNED_GAIN over the first 4 steps).
+# Mean reward of the last 4 of 32 steps, bf16 at most this far below float32 (one-sided: the
+# claim is that bf16 learns no worse). The cookbook's sampling is unseeded, so when a run starts
+# to learn varies (steps 8-11 in 4 runs on the tiny model; CI once saw float32 still climbing at
+# step 24 of 24, 0.85 against bf16's 1.0); both plateau at 1.0 by step ~12, and 32 steps leave
+# room for a late start. Both must also have learned (LEARNED_GAIN over the first 4 steps).
 LEARNED_REWARD_ATOL = 0.15
+STEPS = 32
 LEARNED_GAIN = 0.15
 # |logp_train - logp_sampler| per token on the tiny model, weights unchanged since sampling
 # (docs/precision.md, Tolerances; measured 1e-6 in float32, 1.4e-3 in bf16).
@@ -129,7 +133,7 @@ def test_the_mismatch_metric_sees_sampler_logprobs_that_disagree(server, service
 def _learn(base_url: str, tiny_model, log_path) -> list[dict]:
     config = rl_train.Config(
         learning_rate=2e-2,
-        dataset_builder=LowTokensBuilder(batches=24, groups=4, size=8, vocab=1024),
+        dataset_builder=LowTokensBuilder(batches=STEPS, groups=4, size=8, vocab=1024),
         model_name=str(tiny_model),
         recipe_name="rlcli_test_bf16",
         max_tokens=8,
@@ -151,7 +155,7 @@ def test_the_same_rl_job_learns_in_bf16_as_in_float32(tmp_path, server, bf16_ser
     curves = {}
     for dtype, srv in (("float32", server), ("bfloat16", bf16_server)):
         rows = _learn(srv.base_url, tiny_model, tmp_path / dtype)
-        assert len(rows) == 24
+        assert len(rows) == STEPS
         rewards = [r["env/all/reward/total"] for r in rows]
         first, last = np.mean(rewards[:4]), np.mean(rewards[-4:])
         assert last > first + LEARNED_GAIN, (dtype, rewards)
@@ -160,7 +164,7 @@ def test_the_same_rl_job_learns_in_bf16_as_in_float32(tmp_path, server, bf16_ser
         assert max(r[MEAN] for r in rows) <= AGREE_ATOL[dtype], [r[MEAN] for r in rows]
         curves[dtype] = last
         print(dtype, "rewards", [round(x, 3) for x in rewards], "mean |diff|", rows[-1][MEAN])
-    assert abs(curves["bfloat16"] - curves["float32"]) <= LEARNED_REWARD_ATOL, curves
+    assert curves["bfloat16"] >= curves["float32"] - LEARNED_REWARD_ATOL, curves
 
 
 def test_a_seeded_bf16_run_repeats_its_rollouts_and_curves(tmp_path, bf16_server, tiny_model):
