@@ -164,6 +164,21 @@ def scored(path: Path, doors: range, prefix: str) -> Path:
 RL = ["--group-size", "2"]  # and FAST's --epochs 2: each prompt twice
 
 
+def test_the_held_out_share_is_a_fixed_count_chosen_by_id_hash():
+    """round(share * n) held out, at least one of two or more, none of one; the same traces
+    split the same way in any order (a coin per trace once held out 0 of 24 at 0.25)."""
+    from rlcli.learn.traces import Trace, split
+
+    def made(n: int) -> list[Trace]:
+        return [Trace(f"chatcmpl-{i:04x}", [], "a", "b", False) for i in range(n)]
+
+    for n, share, held in ((24, 0.25, 6), (10, 0.25, 2), (2, 0.1, 1), (1, 0.5, 0), (8, 0.0, 0)):
+        train, out = split(made(n), share)
+        assert (len(train), len(out)) == (n - held, held), (n, share)
+    forward, backward = split(made(24), 0.25), split(made(24)[::-1], 0.25)
+    assert {t.id for t in forward[1]} == {t.id for t in backward[1]}
+
+
 def test_an_rl_round_trains_and_the_gate_decides(tmp_path, server, tiny_model):
     """``--method rl``: ``train rl`` on the round's prompts from the alias's state, each
     rollout graded by exact match to the correction; scores alone and a ``--reward``: auto

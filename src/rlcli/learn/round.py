@@ -46,7 +46,7 @@ from rlcli.learn.folder import (
     rounds,
 )
 from rlcli.learn.report import plot
-from rlcli.learn.traces import Trace, read_traces
+from rlcli.learn.traces import Trace, read_traces, split
 
 SAVE_EVERY = 2  # steps between a round's training checkpoints: a crash loses at most these
 
@@ -159,8 +159,7 @@ def _plan(opts: LearnOptions, served: dict, say, url: str) -> dict:
         raise RlcliError("learn: pass --traces FILE (imported or captured traces with feedback)")
     used = _used_ids(opts.alias)
     new = [t for t in found.traces if t.id not in used]
-    train = [t for t in new if not t.held_out(opts.held_out)]
-    held = [t for t in new if t.held_out(opts.held_out)]
+    train, held = split(new, opts.held_out)
     usable = [t for t in train if t.target]
     method = _method(opts, usable)
     if len(new) < opts.min_traces or not (usable or method == "rl"):
