@@ -44,7 +44,7 @@ def learn(
         "--held-out",
         min=0.0,
         max=0.9,
-        help="Share of new traces held out (rounded, at least one), chosen by a hash of the trace id.",
+        help="Share of new traces held out (rounded, at least one), by a hash of the trace id.",
     ),
     min_traces: int = typer.Option(
         8, "--min-traces", min=1, help="New judged traces a round needs."
