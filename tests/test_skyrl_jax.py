@@ -29,7 +29,17 @@ BACKEND_CONFIG = {"max_lora_adapters": 2}
 def skyrl_env(tmp_path_factory):
     cache = os.environ.get("RLCLI_SKYRL_CACHE") or str(Path.home() / ".cache/rlcli-tests/skyrl")
     home = tmp_path_factory.mktemp("skyrl-home")
-    return {"RLCLI_HOME": str(home), "RLCLI_SKYRL_CACHE": cache}
+    # What a server start compiles is kept for the next: jax's persistent compilation cache
+    # (its own env flags), and Python's bytecode where the environment turned it off
+    # (PYTHONDONTWRITEBYTECODE=1 in CI's image; empty = unset), so the engine process and the
+    # module's second server import SkyRL's environment from .pyc files the first one wrote
+    compiled = tmp_path_factory.mktemp("jax-compiled")
+    kept = {
+        "JAX_COMPILATION_CACHE_DIR": str(compiled),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "PYTHONDONTWRITEBYTECODE": "",
+    }
+    return {"RLCLI_HOME": str(home), "RLCLI_SKYRL_CACHE": cache, **kept}
 
 
 def start(env: dict, model: Path) -> process.ServerRecord:

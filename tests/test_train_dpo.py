@@ -111,9 +111,8 @@ def test_pairs_become_the_cookbooks_comparisons():
 
 def test_runs_cancel_saves_where_the_next_step_starts(tmp_path, server, tiny_model):
     import subprocess
-    import time
 
-    from conftest import RLCLI
+    from conftest import RLCLI, wait_for_steps
 
     data = pairs_file(tmp_path / "pairs.jsonl", n=8)
     run_dir = tmp_path / "run"
@@ -128,10 +127,7 @@ def test_runs_cancel_saves_where_the_next_step_starts(tmp_path, server, tiny_mod
         env={**__import__("os").environ, **env},
     )  # fmt: skip
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert time.monotonic() < deadline and proc.poll() is None, "no third step"
-        time.sleep(0.2)
+    wait_for_steps(run_dir, 3, proc)
     cancelled = cli("runs", "cancel", str(run_dir), "--json", env=env)
     assert cancelled.returncode == 0, cancelled.stderr
     assert json.loads(cancelled.stdout)["checkpoint"]["state_path"].startswith("tinker://")
