@@ -251,7 +251,7 @@ def test_smollm2_answers_from_the_adapter_what_it_never_read_in_context(tmp_path
     document = tmp_path / "people.md"
     document.write_text(text + "\n")
     server_home = tmp_path / "server"
-    record = start_server(server_home, smollm2_model)
+    record = start_server(server_home, smollm2_model, dtype="auto")  # bf16 here, as users get it
     try:
         outcome = rlcli.internalize(
             InternalizeOptions(

@@ -342,7 +342,7 @@ def test_smollm2_learns_the_answer_format_from_corrections(tmp_path, smollm2_mod
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     server_home = tmp_path / "server"
-    record = start_server(server_home, smollm2_model)
+    record = start_server(server_home, smollm2_model, dtype="auto")  # bf16 here, as users get it
     try:
         url = ["--base-url", record.base_url]
         assert cli("alias", "set", "sums", str(smollm2_model), *url).returncode == 0
