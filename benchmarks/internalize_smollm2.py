@@ -108,7 +108,7 @@ async def ask_all(service, render, model: str, jobs: list[tuple]) -> list[str]:
                 if path
                 else service.create_sampling_client(base_model=model)
             )
-    semaphore = asyncio.Semaphore(16)
+    semaphore = asyncio.Semaphore(64)  # the server decodes 64 rows a batch
 
     async def one(path, question, document):
         async with semaphore:
