@@ -179,7 +179,7 @@ async def train_loop(spec: dict, service, rows: list[dict]) -> dict:
     step = start
     try:
         for step in range(start, steps):
-            lr = opts["lr"] * (1 - step / steps)
+            lr = plan["lr"] * (1 - step / steps)
             batch = batches(rows, opts["batch_size"], opts["seed"], step)
             data = [datum(r) for r in batch]
             backward = trainer.forward_backward(data, "cross_entropy")
@@ -236,7 +236,7 @@ def on_policy(spec: dict, documents, train, render, paths: dict) -> dict:
         for p in train
     }
     options = {
-        "model": opts["model"], "base_url": opts["base_url"], "lr": opts["lr"] * 0.2,
+        "model": opts["model"], "base_url": opts["base_url"], "lr": plan["lr"] * 0.2,
         "lora_rank": opts["lora_rank"], "save_every": opts["save_every"],
         "wandb_project": opts["wandb_project"], "wandb_name": opts["wandb_name"],
         "batch_size": opts["batch_size"], "group_size": 4, "seed": opts["seed"],
