@@ -108,7 +108,7 @@ async def ask_all(service, render, model: str, jobs: list[tuple]) -> list[str]:
                 if path
                 else service.create_sampling_client(base_model=model)
             )
-    semaphore = asyncio.Semaphore(16)
+    semaphore = asyncio.Semaphore(64)  # the server decodes 64 rows a batch
 
     async def one(path, question, document):
         async with semaphore:
@@ -322,6 +322,8 @@ def main() -> None:
                     "words": len(text.split()),
                     "seconds": seconds,
                     "steps": outcome.plan.steps,
+                    "epochs": outcome.plan.epochs,
+                    "lr": outcome.plan.lr,
                     "train_probes": outcome.plan.train_probes,
                     "command_receipt": outcome.summary["receipt"]["scores"],
                 }  # fmt: skip
@@ -333,7 +335,7 @@ def main() -> None:
             control = adapters[(i + 1) % len(docs)] if len(docs) > 1 else (None, UNRELATED)
             rows = asyncio.run(ask_facts(service, render, model, facts, text, adapters[i], control))
             if args.ntp_control:
-                lr = tuned.get("lr", InternalizeOptions.lr)
+                lr = results[i]["lr"]
                 ntp = ntp_adapter(base_url, model, text, tmp / f"ntp{i}", results[i]["steps"], lr)
                 jobs = [(ntp, f["question"], None) for f in facts]
                 ntp_said = asyncio.run(ask_all(service, render, model, jobs))

@@ -55,6 +55,31 @@ def test_dry_run_plans_without_a_server(tiny_model, document, tmp_path):
     assert not run_dir.exists()  # nothing written
 
 
+def test_default_epochs_shrink_and_lr_rises_as_the_probes_grow(tiny_model, document, tmp_path):
+    """8 passes while they fit in 56 steps, else as many as fit, at least 4: a step budget
+    that does not grow linearly with the probes (a 20-fact document in under 3 minutes); the
+    learning rate 1e-3 at 8 passes, 1e-3 x 8 / passes at fewer."""
+
+    def plan(*flags):
+        result = cli(
+            "internalize", document, "--model", tiny_model, "--dry-run", "--json",
+            "--base-url", "http://127.0.0.1:9", "--log-path", tmp_path / "run",
+            "--n-questions", "24", "--test-size", "0", *flags,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    few = plan("--batch-size", "4")  # 24 probes: 6 steps a pass
+    assert (few["epochs"], few["steps"], few["lr"]) == (8, 48, 1e-3)
+    many = plan("--batch-size", "2")  # 12 steps a pass: 4 passes fit in 56 steps
+    assert (many["epochs"], many["steps"], many["lr"]) == (4, 48, 2e-3)
+    most = plan("--batch-size", "1")  # 24 steps a pass: never under 4 passes
+    assert (most["epochs"], most["steps"]) == (4, 96)
+    given = plan("--batch-size", "1", "--epochs", "2", "--lr", "5e-4")
+    assert (given["epochs"], given["steps"], given["lr"]) == (2, 48, 5e-4)
+    assert plan("--epochs", "16")["lr"] == 1e-3  # more passes keep the base rate
+
+
 def test_templated_probes_ask_about_every_fact_before_a_second_wording():
     from rlcli.data.probes import template_probes
 

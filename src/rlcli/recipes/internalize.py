@@ -30,6 +30,16 @@ from rlcli.recipes.preflight import check_model_arg, check_renderer
 STDIN_FILE = "stdin.txt"  # DOCUMENT - kept for resume
 DEFAULT_CHUNK_TOKENS = 1024  # the default chunk, when the window allows it
 TEMPLATE_TOKENS = 16  # what the teacher's prompt adds around chunk and question
+# --epochs' default: 8 passes while they fit in STEP_BUDGET steps, else as many as fit, at
+# least MIN_EPOCHS; --lr's: BASE_LR at 8 passes, raised to BASE_LR * 8 / passes at fewer.
+# Training is most of a run's time and grew with the probes (a 20-fact document's 108 training
+# probes: 112 steps at 8 passes, over 3 minutes of training alone on 2 CPU cores). On SmolLM2
+# (docs/internalize.md) that document learned 20 of 20 facts at 4 passes and lr 2e-3, 19 at 8
+# passes and 1e-3, but 13 at 4 passes and 1e-3: fewer passes need the higher rate.
+DEFAULT_EPOCHS = 8
+MIN_EPOCHS = 4
+STEP_BUDGET = 56
+BASE_LR = 1e-3
 
 
 @dataclass(kw_only=True)
@@ -99,7 +109,12 @@ class InternalizeOptions(TrainOptions):
     )
     max_answer_tokens: int = option(64, "Longest teacher (and receipt) answer.", min=1)
     batch_size: int = option(8, "Probes per step.", min=1)
-    epochs: int = option(8, "Passes over the training probes.", min=1)
+    epochs: int | None = option(
+        None,
+        f"Passes over the training probes (default: {DEFAULT_EPOCHS}, fewer where the probes "
+        f"are many: as many as fit in {STEP_BUDGET} steps, at least {MIN_EPOCHS}).",
+        min=1,
+    )
     max_steps: int | None = option(
         None, "Stop after this many steps (default: --epochs passes).", flags=("--steps",), min=1
     )
@@ -108,7 +123,13 @@ class InternalizeOptions(TrainOptions):
         min=0,
     )  # fmt: skip
     lora_rank: int = retune(TrainOptions, "lora_rank", 16)
-    lr: float = retune(TrainOptions, "lr", 1e-3)
+    lr: float | None = option(
+        None,
+        f"Learning rate, falling linearly to 0 (default: {BASE_LR:g} at {DEFAULT_EPOCHS} or "
+        f"more passes, {BASE_LR:g} x {DEFAULT_EPOCHS} / passes at fewer: {BASE_LR * 2:g} at 4).",
+        flags=("--learning-rate",),
+        gt=0,
+    )
     save_every: int = retune(TrainOptions, "save_every", 0)
 
 
@@ -119,10 +140,22 @@ class InternalizePlan(Plan):
     held_out_probes: int
     probes_with_reference: int
     teacher_model: str
+    epochs: int
+    lr: float
     context_window: int
     chunk_tokens: int
     chunking: str
     on_policy_steps: int
+
+
+def default_epochs(steps_per_epoch: int) -> int:
+    """``--epochs``' default for ``steps_per_epoch`` batches of probes (see STEP_BUDGET)."""
+    return max(MIN_EPOCHS, min(DEFAULT_EPOCHS, STEP_BUDGET // steps_per_epoch))
+
+
+def default_lr(epochs: int) -> float:
+    """``--lr``'s default for ``epochs`` passes (see BASE_LR)."""
+    return BASE_LR * max(1.0, DEFAULT_EPOCHS / epochs)
 
 
 def read_questions(path: str) -> list[dict]:
@@ -278,6 +311,7 @@ class Internalize(Recipe):
                     "templates and no --questions row matches it); add --questions"
                 )
         steps_per_epoch = math.ceil(len(train) / opts.batch_size)
+        epochs = opts.epochs or default_epochs(steps_per_epoch)
         plan = InternalizePlan(
             run_dir=str(run_dir),
             documents=[
@@ -296,13 +330,15 @@ class Internalize(Recipe):
             held_out_probes=len(probes) - len(train),
             probes_with_reference=sum(1 for p in probes if p.get("answer")),
             teacher_model=teacher,
+            epochs=epochs,
+            lr=opts.lr or default_lr(epochs),
             context_window=window,
             chunk_tokens=chunk_tokens,
             chunking="whole sentences packed into chunks of at most chunk_tokens; each probe "
             "is answered beside its own chunk (templated: the chunk of its sentence; "
             "--questions: the chunk sharing the most words with it)",
             on_policy_steps=opts.on_policy_steps,
-            steps=base.capped(steps_per_epoch * opts.epochs, opts),
+            steps=base.capped(steps_per_epoch * epochs, opts),
             renderer=renderer,
             renderer_source=source,
             resuming=base.resuming(run_dir),

@@ -32,6 +32,11 @@ UNRELATED = (
     "The museum opens at nine and closes at five. Visitors may bring cameras but not food. "
     "Guided tours start every hour from the main hall. The gift shop sells maps and postcards."
 )
+# Requests in flight at once: rlcli's server decodes up to 64 rows a batch and prefills once
+# the opening its prompts share (a chunk before several questions), so a chunk's probes sent
+# together cost one prefill of it; 16 at a time prefilled a 1,024-token chunk once per 16
+# probes (a 20-fact document's teacher pass: 41 s).
+IN_FLIGHT = 64
 
 
 def run(spec: dict) -> dict:
@@ -75,7 +80,7 @@ def status(spec: dict, phase: str, **fields) -> None:
     append_status(Path(spec["plan"]["run_dir"]), phase, **fields)
 
 
-async def gathered(coroutines, spec: dict, phase: str, limit: int = 16) -> list:
+async def gathered(coroutines, spec: dict, phase: str, limit: int = IN_FLIGHT) -> list:
     """Run ``coroutines`` ``limit`` at a time, saying ``phase (done/total)`` as they finish."""
     semaphore = asyncio.Semaphore(limit)
     done = [0]
@@ -174,7 +179,7 @@ async def train_loop(spec: dict, service, rows: list[dict]) -> dict:
     step = start
     try:
         for step in range(start, steps):
-            lr = opts["lr"] * (1 - step / steps)
+            lr = plan["lr"] * (1 - step / steps)
             batch = batches(rows, opts["batch_size"], opts["seed"], step)
             data = [datum(r) for r in batch]
             backward = trainer.forward_backward(data, "cross_entropy")
@@ -231,7 +236,7 @@ def on_policy(spec: dict, documents, train, render, paths: dict) -> dict:
         for p in train
     }
     options = {
-        "model": opts["model"], "base_url": opts["base_url"], "lr": opts["lr"] * 0.2,
+        "model": opts["model"], "base_url": opts["base_url"], "lr": plan["lr"] * 0.2,
         "lora_rank": opts["lora_rank"], "save_every": opts["save_every"],
         "wandb_project": opts["wandb_project"], "wandb_name": opts["wandb_name"],
         "batch_size": opts["batch_size"], "group_size": 4, "seed": opts["seed"],
@@ -283,19 +288,21 @@ async def score(spec, service, render, documents, probes, sampler_path: str) -> 
     def chunk(p) -> str:
         return documents[p["document"]]["chunks"][p["chunk"]]
 
-    jobs = []
-    for p in held:
-        q = p["question"]
-        jobs += [
-            answer(base_client, render, q, None, n),
-            answer(base_client, render, q, chunk(p), n),
-            answer(adapter, render, q, None, n),
-            answer(base_client, render, q, unrelated(p), n),
-        ]
+    # Sent all at once (IN_FLIGHT at a time), the in-context prompts ordered by chunk, so the
+    # server prefills each chunk once for the held-out probes that read it.
+    by_chunk = sorted(range(len(held)), key=lambda i: (held[i]["document"], held[i]["chunk"]))
+    asks = [(i, 0, base_client, None) for i in range(len(held))]
+    asks += [(i, 1, base_client, chunk(held[i])) for i in by_chunk]
+    asks += [(i, 2, adapter, None) for i in range(len(held))]
+    asks += [(i, 3, base_client, unrelated(held[i])) for i in range(len(held))]
+    jobs = [answer(client, render, held[i]["question"], text, n) for i, _, client, text in asks]
     said = await gathered(jobs, spec, "scoring the held-out probes")
+    table: list[list] = [[None] * 4 for _ in held]
+    for (i, column, _, _), text in zip(asks, said, strict=True):
+        table[i][column] = text
     rows = []
     for i, p in enumerate(held):
-        base_a, ceiling, adapted, control = said[4 * i : 4 * i + 4]
+        base_a, ceiling, adapted, control = table[i]
         rows.append(
             {
                 "document": p["document"],
