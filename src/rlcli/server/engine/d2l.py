@@ -239,38 +239,44 @@ class Hypernets:
         past a chunk's end they are zeros or the padding's, masked either way). The last
         layer's are after the final norm, as transformers' ``hidden_states`` give them.
 
-        Only the decoder runs (``model.model``: no output layer, so no logits), and the
-        hypernetwork reads up to the top layer, so no layer runs for nothing. ``by_length``
-        (one document's chunks: all full but the last) runs chunks of one length together
-        without padding: no pad tokens computed, and no attention mask, so attention takes its
-        causal kernel; else one padded batch (training's documents, one forward)."""
+        Only the decoder runs (``model.model``: no output layer, so no logits; the
+        hypernetwork reads up to the top layer, so every layer is needed), without a K/V
+        cache. ``by_length`` (one document's chunks: all full but the last) runs each run of
+        chunks of one length together, unpadded and without an attention mask; else one
+        padded batch (training's documents: one forward). On SmolLM2 the forward is ~97% of
+        an internalization: its matmuls and attention (docs/d2l.md, "Measured")."""
         self.engine._activate(None)
         device = self.engine.device
         config = self.engine.model.config
         width = max(len(c) for c in chunks)
         n_layers = int(config.num_hidden_layers) - first
-        states = torch.zeros((len(chunks), n_layers, width, int(config.hidden_size)), device=device)
+        states = torch.empty((len(chunks), n_layers, width, int(config.hidden_size)), device=device)
         mask = torch.zeros((len(chunks), width), dtype=torch.long)
         for i, chunk in enumerate(chunks):
             mask[i, : len(chunk)] = 1
-        if by_length:
-            lengths = sorted({len(c) for c in chunks})
-            groups = [[i for i, c in enumerate(chunks) if len(c) == n] for n in lengths]
-        else:
-            groups = [list(range(len(chunks)))]
-        for rows in groups:
+        # runs of consecutive chunks: of one length each (by_length), else all of them
+        runs, start = [], 0
+        for i in range(1, len(chunks) + 1):
+            if i == len(chunks) or (by_length and len(chunks[i]) != len(chunks[start])):
+                runs.append(range(start, i))
+                start = i
+        for rows in runs:
+            at = slice(rows.start, rows.stop)  # a plain copy into states, not a scatter
             t = max(len(chunks[i]) for i in rows)
             ids = torch.full((len(rows), t), self.engine.pad_id, dtype=torch.long)
             for r, i in enumerate(rows):
                 ids[r, : len(chunks[i])] = torch.tensor(chunks[i])
-            padded = bool((mask[rows, :t] == 0).any())
+            padded = bool((mask[at, :t] == 0).any())
             out = self.engine.model.model(
                 input_ids=ids.to(device),
-                attention_mask=mask[rows, :t].to(device) if padded else None,
+                attention_mask=mask[at, :t].to(device) if padded else None,
                 output_hidden_states=True,
+                use_cache=False,  # nothing is decoded after it: no K/V cache to build
             )
             for j, h in enumerate(out.hidden_states[1 + first :]):
-                states[rows, j, :t] = h.float()
+                states[at, j, :t] = h.float()
+            if t < width:
+                states[at, :, t:] = 0.0
             del out
         return states, mask.to(device)
 
