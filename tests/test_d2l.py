@@ -44,6 +44,54 @@ def test_a_fresh_hypernet_writes_a_zero_update_and_chunks_add_up():
     torch.testing.assert_close(together, apart)
 
 
+def full_forward_adapter(engine, net, chunks: list[list[int]]):
+    """The reference: what internalizing computed before it ran chunks by length. Every chunk
+    padded to the longest in one batch, the whole model (output layer and logits too), the
+    adapted layers' ``hidden_states`` stacked -> (A, B with the scale folded in) per layer."""
+    width = max(len(c) for c in chunks)
+    ids = torch.full((len(chunks), width), engine.pad_id, dtype=torch.long)
+    mask = torch.zeros((len(chunks), width), dtype=torch.long)
+    for i, chunk in enumerate(chunks):
+        ids[i, : len(chunk)] = torch.tensor(chunk)
+        mask[i, : len(chunk)] = 1
+    with torch.no_grad():
+        out = engine.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        assert out.logits.shape[:2] == ids.shape
+        features = torch.stack(out.hidden_states[1 + net.config.first_layer :], dim=1).float()
+        a, b = merge_chunks(*net(features, mask))
+    return a, b * net.scaling
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_internalizing_by_chunk_length_gives_the_full_forwards_adapter(tiny_model, dtype):
+    """generate() runs only the decoder, chunks of one length together and unpadded; the
+    adapter it writes equals the full padded forward's (float tolerance), every layer and
+    the last layers only, in both engine dtypes."""
+    from rlcli.server.engine.core import Engine
+
+    engine = Engine(str(tiny_model), device="cpu", dtype=dtype)
+    document = " ".join(f"Kalo{i} lives in city {i}." for i in range(4))
+    for seed, lora_layers in ((0, 0), (1, 1)):
+        hypernet_id = f"h{lora_layers}"
+        settings = {**SMALL, "chunk_tokens": 16, "max_chunks": 8, "lora_layers": lora_layers}
+        engine.hypernets.create(hypernet_id, settings, seed)
+        net = engine.hypernets.training[hypernet_id].net
+        with torch.no_grad():
+            net.scale_b.fill_(1.0)  # a trained-like B: not the fresh no-op
+        chunks = engine.hypernets._document_ids(document, net.config, "document")
+        assert len(chunks) >= 3 and len(chunks[-1]) < 16  # full chunks and a shorter last one
+        state, config, facts = engine.hypernets.generate(net, document)
+        assert facts["chunks"] == len(chunks) and config.r == 4 * len(chunks)
+        a, b = full_forward_adapter(engine, net, chunks)
+        first = net.config.first_layer
+        assert len(state) == 2 * net.config.n_layers == 2 * (2 - first)
+        assert b.abs().max() > 0
+        for i in range(net.config.n_layers):
+            prefix = f"base_model.model.model.layers.{first + i}.mlp.down_proj"
+            torch.testing.assert_close(state[f"{prefix}.lora_A.weight"], a[i])
+            torch.testing.assert_close(state[f"{prefix}.lora_B.weight"], b[i].T)
+
+
 def test_examples_are_read_by_line_and_synthetic_facts_are_seeded():
     rows = read_examples(
         ['{"document": "d", "question": "q", "answer": "a"}',

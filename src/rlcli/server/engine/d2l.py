@@ -231,21 +231,53 @@ class Hypernets:
         return prompt_ids + answer_ids + end, len(prompt_ids)
 
     @torch.no_grad()
-    def _features(self, chunks: list[list[int]], first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _features(
+        self, chunks: list[list[int]], first: int, by_length: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The adapted layers' (from ``first`` on) output states of each chunk, from the
-        frozen base model: ([chunks, layers, tokens, hidden], mask [chunks, tokens])."""
+        frozen base model: ([chunks, layers, tokens, hidden] float32, mask [chunks, tokens];
+        past a chunk's end they are zeros or the padding's, masked either way). The last
+        layer's are after the final norm, as transformers' ``hidden_states`` give them.
+
+        Only the decoder runs (``model.model``: no output layer, so no logits; the
+        hypernetwork reads up to the top layer, so every layer is needed), without a K/V
+        cache. ``by_length`` (one document's chunks: all full but the last) runs each run of
+        chunks of one length together, unpadded and without an attention mask; else one
+        padded batch (training's documents: one forward). On SmolLM2 the forward is ~97% of
+        an internalization: its matmuls and attention (docs/d2l.md, "Measured")."""
         self.engine._activate(None)
+        device = self.engine.device
+        config = self.engine.model.config
         width = max(len(c) for c in chunks)
-        ids = torch.full((len(chunks), width), self.engine.pad_id, dtype=torch.long)
+        n_layers = int(config.num_hidden_layers) - first
+        states = torch.empty((len(chunks), n_layers, width, int(config.hidden_size)), device=device)
         mask = torch.zeros((len(chunks), width), dtype=torch.long)
         for i, chunk in enumerate(chunks):
-            ids[i, : len(chunk)] = torch.tensor(chunk)
             mask[i, : len(chunk)] = 1
-        device = self.engine.device
-        out = self.engine.model.model(
-            input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True
-        )
-        states = torch.stack(out.hidden_states[1 + first :], dim=1).float()
+        # runs of consecutive chunks: of one length each (by_length), else all of them
+        runs, start = [], 0
+        for i in range(1, len(chunks) + 1):
+            if i == len(chunks) or (by_length and len(chunks[i]) != len(chunks[start])):
+                runs.append(range(start, i))
+                start = i
+        for rows in runs:
+            at = slice(rows.start, rows.stop)  # a plain copy into states, not a scatter
+            t = max(len(chunks[i]) for i in rows)
+            ids = torch.full((len(rows), t), self.engine.pad_id, dtype=torch.long)
+            for r, i in enumerate(rows):
+                ids[r, : len(chunks[i])] = torch.tensor(chunks[i])
+            padded = bool((mask[at, :t] == 0).any())
+            out = self.engine.model.model(
+                input_ids=ids.to(device),
+                attention_mask=mask[at, :t].to(device) if padded else None,
+                output_hidden_states=True,
+                use_cache=False,  # nothing is decoded after it: no K/V cache to build
+            )
+            for j, h in enumerate(out.hidden_states[1 + first :]):
+                states[at, j, :t] = h.float()
+            if t < width:
+                states[at, :, t:] = 0.0
+            del out
         return states, mask.to(device)
 
     # ---- checkpoints --------------------------------------------------------------------------
@@ -330,8 +362,11 @@ class Hypernets:
         started = time.perf_counter()
         chunks = self._document_ids(document, net.config, "document")
         with torch.no_grad():
-            features, mask = self._features(chunks, net.config.first_layer)
+            read = time.perf_counter()
+            features, mask = self._features(chunks, net.config.first_layer, by_length=True)
+            made = time.perf_counter()
             a, b = merge_chunks(*net(features, mask))
+            done = time.perf_counter()
         rank = a.shape[1]
         # The scale is folded into B (alpha = rank: peft's scale is 1), so the chunks' summed
         # updates each keep the hypernetwork's alpha / r.
@@ -351,6 +386,8 @@ class Hypernets:
             "chunks": len(chunks),
             "rank": rank,
             "seconds": time.perf_counter() - started,
+            "forward_seconds": made - read,  # the base model over the chunks
+            "hypernet_seconds": done - made,
         }
         return state, config, facts
 
