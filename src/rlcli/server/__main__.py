@@ -11,6 +11,13 @@ import sys
 from rlcli.checkpoint_format import parse_checkpoint_ttl
 from rlcli.models.names import resolve_model_name
 
+# Idle keep-alive connections stay open this long: longer than clients keep theirs (httpx's
+# default, under the tinker SDK and openai: 5 s), so a client never sends a request on a
+# connection the server is closing. At uvicorn's default, also 5 s, that race loses the
+# request and the SDK waits out its 60 s timeout before retrying: the likely cause of an opsd
+# step on CI whose request reached the engine 60 s late, then took milliseconds.
+KEEP_ALIVE_S = 75
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rlcli.server")
@@ -57,7 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     except CaptureError as e:  # one line, before the engine starts (serve start shows it)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S
+    )
     sys.exit(app.state.exit_code)  # non-zero when the engine died: supervisors restart us
 
 

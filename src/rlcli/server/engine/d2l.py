@@ -161,8 +161,8 @@ class Hypernets:
         device = self.engine.device
         with self._lora(a, b, scale, first):
             hidden = self.engine.model.model(
-                input_ids=ids.to(device), attention_mask=attn.to(device)
-            ).last_hidden_state
+                input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False
+            ).last_hidden_state  # one pass, no K/V cache to keep
         where = (targets != -100).to(device)
         head = self.engine.model.get_output_embeddings()
         logits = head(hidden[where]).float()
