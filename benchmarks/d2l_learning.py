@@ -13,7 +13,8 @@ aside). Also the held-out answer loss with the right and with a shuffled documen
 
 ``--train-filler N``: each training document hides its fact among 0..N filler sentences
 (drawn per document), so the hypernetwork learns to find the fact rather than read a lone
-sentence.
+sentence. ``--train-seconds S`` stops training after S seconds if ``--steps`` are not done
+by then (a run sized to the time left; the receipt's ``steps`` are those done).
 
 ``--internalize-docs N``: the first N held-out documents that ``rlcli.internalize``'s
 templated probes cover (its templates cover "NAME lives in CITY", not the other three facts,
@@ -112,7 +113,7 @@ def learning(args, model: str, tmp: str) -> dict:
     window = model_window(model)
     haystacks = haystack_sets(args, tok, window, seen) if args.haystack_windows else {}
     longest = max((h["document_tokens"]["max"] for h in haystacks.values()), default=0)
-    chunks = max(8, math.ceil(longest / 512) + 1)
+    chunks = min(MAX_CHUNKS, max(8, math.ceil(longest / 512) + 1))
     keep = Path(args.keep).expanduser().resolve() if args.keep else Path(tmp) / "checkpoints"
     with _receipt.local_server(
         model, tmp, wait=900, dtype=args.dtype, checkpoints_dir=keep
@@ -134,8 +135,12 @@ def learning(args, model: str, tmp: str) -> dict:
         for s in range(args.steps):
             out = hn.step(hid, train[s * args.batch : (s + 1) * args.batch], args.lr)
             losses.append(out["loss"])
+            spent = time.perf_counter() - started
             if s % 50 == 0:
-                print(f"step {s} loss {out['loss']:.3f}", flush=True)
+                print(f"step {s} loss {out['loss']:.3f} {spent:.0f}s", flush=True)
+            if args.train_seconds and spent >= args.train_seconds:
+                print(f"--train-seconds {args.train_seconds}: stopped after {s + 1} steps")
+                break
         train_s = time.perf_counter() - started
         after = {
             "right_document": hn.step(hid, held, args.lr, train=False)["loss"],
@@ -184,8 +189,11 @@ def learning(args, model: str, tmp: str) -> dict:
         | {"max_chunks": chunks},
         "hypernet_path": path,
         "checkpoints_dir": str(keep) if args.keep else None,
+        "dtype": args.dtype,
         "train_filler_sentences_max": args.train_filler,
-        "steps": args.steps,
+        "steps": len(losses),
+        "steps_asked": args.steps,
+        "train_seconds_budget": args.train_seconds or None,
         "batch": args.batch,
         "lr": args.lr,
         "train_seconds": train_s,
@@ -229,6 +237,7 @@ def window_used(args, window: int) -> int:
     return int(window * args.haystack_window_fraction)
 
 
+MAX_CHUNKS = 64  # the server's limit on a hypernetwork's max_chunks (64 x 512 = 32,768 tokens)
 QUESTION_ROOM = 64  # tokens a haystack leaves for the chat template, the question and answer
 
 
@@ -455,6 +464,8 @@ def check_args(parser, args) -> None:
     for dtype in args.timing_dtypes.split(","):
         if dtype not in ("float32", "bfloat16", "float16", "auto"):
             parser.error(f"--timing-dtypes: {dtype!r} is not float32, bfloat16, float16, auto")
+    if args.train_seconds < 0:
+        parser.error("--train-seconds: 0 (no limit) or more")
     if args.haystack_windows and args.haystack_docs < 2:
         parser.error("--haystack-docs: at least 2 (the control is another haystack's adapter)")
 
@@ -465,6 +476,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument(
+        "--train-seconds",
+        type=float,
+        default=0,
+        help="stop training after this many seconds, fewer than --steps (0: no limit); "
+        "the receipt says the steps done",
+    )
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--latent", type=int, default=64)
     parser.add_argument("--lora-layers", type=int, default=0, help="adapt the last N (0: all)")
