@@ -40,7 +40,8 @@ def split(traces: list[Trace], share: float) -> tuple[list[Trace], list[Trace]]:
     """(train, held out): the ``round(share * n)`` traces whose ids hash lowest are held out
     (at least one where ``share`` > 0 and there are two or more). A fixed count, where a coin
     per trace once held out none of 24 at 0.25; the same traces always split the same way."""
-    count = max(0, min(len(traces) - 1, max(1, round(share * len(traces))))) if share else 0
+    n = len(traces)
+    count = min(n - 1, max(1, round(share * n))) if share > 0 and n >= 2 else 0
     ranked = sorted(traces, key=lambda t: hashlib.sha256(t.id.encode()).hexdigest())
     held = {t.id for t in ranked[:count]}
     return [t for t in traces if t.id not in held], [t for t in traces if t.id in held]

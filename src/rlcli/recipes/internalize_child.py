@@ -80,6 +80,12 @@ def status(spec: dict, phase: str, **fields) -> None:
     append_status(Path(spec["plan"]["run_dir"]), phase, **fields)
 
 
+def chunk_order(probes: list[dict]) -> list[int]:
+    """The probes' indices ordered by document and chunk: sent in this order, the server's
+    batches hold one chunk's prompts and prefill that chunk once (docs/server-engine.md)."""
+    return sorted(range(len(probes)), key=lambda i: (probes[i]["document"], probes[i]["chunk"]))
+
+
 async def gathered(coroutines, spec: dict, phase: str, limit: int = IN_FLIGHT) -> list:
     """Run ``coroutines`` ``limit`` at a time, saying ``phase (done/total)`` as they finish."""
     semaphore = asyncio.Semaphore(limit)
@@ -109,7 +115,7 @@ async def targets(spec, service, render, documents, train) -> list[dict]:
     teacher = await service.create_sampling_client(base_model=plan["teacher_model"])
     # Asked chunk by chunk, so the server's batches hold probes of one chunk, whose opening it
     # prefills once (docs/server-engine.md); answered back in the probes' order.
-    order = sorted(range(len(train)), key=lambda i: (train[i]["document"], train[i]["chunk"]))
+    order = chunk_order(train)
     asked = await gathered(
         [
             teacher_row(
@@ -290,7 +296,7 @@ async def score(spec, service, render, documents, probes, sampler_path: str) -> 
 
     # Sent all at once (IN_FLIGHT at a time), the in-context prompts ordered by chunk, so the
     # server prefills each chunk once for the held-out probes that read it.
-    by_chunk = sorted(range(len(held)), key=lambda i: (held[i]["document"], held[i]["chunk"]))
+    by_chunk = chunk_order(held)
     asks = [(i, 0, base_client, None) for i in range(len(held))]
     asks += [(i, 1, base_client, chunk(held[i])) for i in by_chunk]
     asks += [(i, 2, adapter, None) for i in range(len(held))]
