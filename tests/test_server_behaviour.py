@@ -44,19 +44,25 @@ def test_an_idle_keep_alive_connection_outlives_the_clients_5_s(server):
     """A connection idle past httpx's 5 s keep-alive (the tinker SDK's and openai's pool) is
     still open on the server side: the client drops it first, so no request is ever sent on a
     connection the server is closing (uvicorn's default 5 s raced it)."""
-    import socket
+    from http.client import HTTPConnection
 
     from rlcli.server.__main__ import KEEP_ALIVE_S
 
     assert KEEP_ALIVE_S > 5
     host, port = server.base_url.removeprefix("http://").split(":")
-    request = f"GET /api/v1/healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
-    with socket.create_connection((host, int(port)), timeout=10) as conn:
+    conn = HTTPConnection(host, int(port), timeout=10)
+    try:
+        sockets = []
         for pause in (0, 6):  # 6: past the client's keep-alive; the server kept it open
             time.sleep(pause)
-            conn.sendall(request)
-            answer = conn.recv(65536)  # b"": the server had closed the connection
-            assert answer.startswith(b"HTTP/1.1 200"), (pause, answer[:80])
+            conn.request("GET", "/api/v1/healthz")
+            sockets.append(conn.sock)  # the one connection, unless it had been closed
+            answer = conn.getresponse()  # RemoteDisconnected: the server had closed it
+            assert answer.status == 200, (pause, answer.status)
+            answer.read()  # the whole body, so the next answer starts clean
+        assert sockets[0] is sockets[1]
+    finally:
+        conn.close()
 
 
 def test_a_vanished_clients_adapters_are_freed(tmp_path, tiny_model):
