@@ -13,8 +13,11 @@ aside). Also the held-out answer loss with the right and with a shuffled documen
 
 ``--train-filler N``: each training document hides its fact among 0..N filler sentences
 (drawn per document), so the hypernetwork learns to find the fact rather than read a lone
-sentence. ``--train-seconds S`` stops training after S seconds if ``--steps`` are not done
-by then (a run sized to the time left; the receipt's ``steps`` are those done).
+sentence; documents past a chunk (512 tokens) train as they are internalized, chunks summed.
+``--filler-ramp F``: the most filler grows from 0 to N over the first F of the steps (a
+curriculum: reading a lone fact first, then finding it), 0: N from the start.
+``--train-seconds S`` stops training after S seconds if ``--steps`` are not done by then
+(a run sized to the time left; the receipt's ``steps`` are those done).
 
 ``--internalize-docs N``: the first N held-out documents that ``rlcli.internalize``'s
 templated probes cover (its templates cover "NAME lives in CITY", not the other three facts,
@@ -105,7 +108,7 @@ def learning(args, model: str, tmp: str) -> dict:
     from rlcli.data.d2l_examples import synthetic_facts
 
     tok = AutoTokenizer.from_pretrained(model)
-    train = training_rows(args.steps * args.batch, args.train_filler)
+    train = training_rows(args.steps * args.batch, args.train_filler, args.filler_ramp)
     seen = {(r["question"], r["answer"]) for r in train}  # held out: facts training never saw
     fresh = [r for r in synthetic_facts(4 * args.held_out, seed=12345)
              if (r["question"], r["answer"]) not in seen]  # fmt: skip
@@ -191,6 +194,7 @@ def learning(args, model: str, tmp: str) -> dict:
         "checkpoints_dir": str(keep) if args.keep else None,
         "dtype": args.dtype,
         "train_filler_sentences_max": args.train_filler,
+        "train_filler_ramp": args.filler_ramp,
         "steps": len(losses),
         "steps_asked": args.steps,
         "train_seconds_budget": args.train_seconds or None,
@@ -212,18 +216,20 @@ def learning(args, model: str, tmp: str) -> dict:
     }
 
 
-def training_rows(n: int, filler: int) -> list[dict]:
+def training_rows(n: int, filler: int, ramp: float = 0.0) -> list[dict]:
     """``n`` training documents; with ``filler``, each hides its fact among 0..filler filler
-    sentences (seeded; a run with ``filler`` 0 trains on today's one-sentence documents)."""
+    sentences (seeded; a run with ``filler`` 0 trains on today's one-sentence documents),
+    the most growing linearly from 0 over the first ``ramp`` of them."""
     from rlcli.data.d2l_examples import synthetic_facts
 
     if not filler:
         return synthetic_facts(n, seed=0)
     rng = random.Random(0)
-    return [
-        synthetic_facts(1, seed=rng.getrandbits(32), filler=rng.randint(0, filler))[0]
-        for _ in range(n)
-    ]
+    rows = []
+    for i in range(n):
+        most = round(filler * min(1.0, i / (ramp * n))) if ramp else filler
+        rows.append(synthetic_facts(1, seed=rng.getrandbits(32), filler=rng.randint(0, most))[0])
+    return rows
 
 
 def model_window(model: str) -> int:
@@ -494,6 +500,10 @@ def main() -> None:
         default=0,
         help="training documents hide their fact among 0..N filler sentences",
     )
+    parser.add_argument(
+        "--filler-ramp", type=float, default=0.0,
+        help="the most filler grows from 0 over this share of the steps (0: N throughout)",
+    )  # fmt: skip
     parser.add_argument(
         "--internalize-docs",
         type=int,

@@ -11,7 +11,13 @@ import torch
 
 from conftest import cli
 from rlcli.data.d2l_examples import answer_choices, read_examples, synthetic_facts
-from rlcli.server.engine.hypernet import Hypernet, HypernetConfig, lora_delta, merge_chunks
+from rlcli.server.engine.hypernet import (
+    Hypernet,
+    HypernetConfig,
+    lora_delta,
+    merge_chunks,
+    merge_documents,
+)
 
 DEAD_URL = "http://127.0.0.1:9"
 SMALL = {"rank": 4, "latent": 16, "chunk_tokens": 32, "max_chunks": 2}
@@ -42,6 +48,34 @@ def test_a_fresh_hypernet_writes_a_zero_update_and_chunks_add_up():
     apart = sum(lora_delta(x, a[c : c + 1, layer], b[c : c + 1, layer], 2.0) for c in range(2))
     together = lora_delta(x, merged_a[layer][None], merged_b[layer][None], 2.0)
     torch.testing.assert_close(together, apart)
+
+
+def test_a_closed_gate_writes_nothing_and_documents_merge_apart():
+    net = small_net()
+    features, mask = torch.randn(3, 3, 7, 24), torch.ones(3, 7, dtype=torch.long)
+    with torch.no_grad():
+        net.scale_b.fill_(1.0)
+        net.bias_b.fill_(1.0)
+        net.gate.bias.fill_(-60.0)  # shut: B and its bias are gated alike
+        assert net(features, mask)[1].abs().max() < 1e-20
+        net.gate.bias.fill_(0.0)
+        a, b = net(features, mask)
+    merged_a, merged_b = merge_documents(a, b, owners=[0, 1, 0])  # chunks 0 and 2: document 0
+    assert merged_a.shape == (2, 3, 8, 40) and merged_b.shape == (2, 3, 8, 24)
+    torch.testing.assert_close(merged_a[0], merge_chunks(a[[0, 2]], b[[0, 2]])[0])
+    torch.testing.assert_close(merged_b[1, :, :4], b[1])
+    assert merged_a[1, :, 4:].abs().sum() == 0 == merged_b[1, :, 4:].abs().sum()  # padding
+
+
+def test_a_checkpoint_from_before_the_gate_loads_without_one():
+    record = small_net().config.to_dict()
+    del record["gated"]
+    old = HypernetConfig.from_dict(record)
+    assert not old.gated and small_net().config.gated
+    torch.manual_seed(0)
+    ungated = Hypernet(old)
+    assert ungated.gate is None
+    Hypernet(old).load_state_dict(ungated.state_dict())  # strict: the same parameters
 
 
 def full_forward_adapter(engine, net, chunks: list[list[int]]):
@@ -174,6 +208,42 @@ def test_a_hypernet_of_the_last_layers_trains_and_its_adapter_samples(
     prompt = tinker.ModelInput.from_ints(prompt_tokens(tiny_model, "What?"))
     client = service.create_sampling_client(model_path=adapter["path"]).result()
     assert len(client.compute_logprobs(prompt).result()) == prompt.length
+
+
+def test_a_document_of_several_chunks_trains_as_it_is_internalized(hypernets, service, tiny_model):
+    """A training step takes a document of two chunks beside one of one; its answer loss is
+    the one the document's internalized adapter gives through the Tinker API (the chunks'
+    LoRAs summed both ways), and not the base model's."""
+    import tinker
+    from transformers import AutoTokenizer
+
+    from rlcli.models.tokenizer import end_of_turn_id
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    document = " ".join(f"Kalo{i} lives in city {i}." for i in range(4))
+    assert 32 < len(tok(document, add_special_tokens=False)["input_ids"]) <= 64  # 2 chunks
+    example = {"document": document, "question": "Where does Kalo3 live?", "answer": "city 3"}
+    short = {"document": "Kalo plays the harp.", "question": "What?", "answer": "harp"}
+    made = hypernets.create(seed=2, **SMALL)
+    hid = made["hypernet_id"]
+    trained = hypernets.step(hid, [example, short], 5e-2)
+    assert trained["steps"] == 1 and trained["grad_norm"] > 0
+    loss = hypernets.step(hid, [example], 1e-9, train=False)["loss"]
+    adapter = hypernets.internalize(hid, document)
+    hypernets.remove(hid)
+    assert adapter["chunks"] == 2 and adapter["rank"] == 2 * SMALL["rank"]
+    prompt = prompt_tokens(tiny_model, example["question"])
+    ids = prompt + tok(example["answer"], add_special_tokens=False)["input_ids"]
+    ids.append(end_of_turn_id(tok))
+
+    def answer_nll(client) -> float:
+        logprobs = client.compute_logprobs(tinker.ModelInput.from_ints(ids)).result()
+        return -sum(logprobs[len(prompt) :]) / (len(ids) - len(prompt))
+
+    adapted = answer_nll(service.create_sampling_client(model_path=adapter["path"]).result())
+    base = answer_nll(service.create_sampling_client(base_model=str(tiny_model)).result())
+    assert adapted == pytest.approx(loss, abs=1e-3)
+    assert abs(adapted - base) > 1e-3
 
 
 def test_refusals_name_the_field(hypernets, fresh, server, service):

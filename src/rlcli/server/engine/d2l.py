@@ -32,6 +32,7 @@ from rlcli.server.engine.hypernet import (
     HypernetConfig,
     lora_delta,
     merge_chunks,
+    merge_documents,
     parameter_count,
 )
 from rlcli.server.errors import UserError
@@ -102,24 +103,26 @@ class Hypernets:
         self, hypernet_id: str, examples: list[dict], lr: float, l1: float, train: bool
     ) -> dict:
         """One step on (document, question, answer) examples: the answers' mean cross-entropy
-        with each row's document internalized (and an optimizer step when ``train``)."""
+        with each row's document internalized (and an optimizer step when ``train``). A
+        document of several chunks trains as it is internalized, its chunks' LoRAs summed, so
+        the hypernetwork learns what a haystack's filler chunks should add: little."""
         hosted = self._training(hypernet_id)
         net = hosted.net
         started = time.perf_counter()
         docs = [self._document_ids(e["document"], net.config, "examples") for e in examples]
-        if any(len(d) > 1 for d in docs):
-            raise UserError(
-                f"examples: a document is longer than {net.config.chunk_tokens} tokens; "
-                "training takes one chunk per document"
-            )
+        # longest first: _features pads each run of chunks at most 2x
+        pairs = [(c, i) for i, doc in enumerate(docs) for c in doc]
+        pairs.sort(key=lambda p: -len(p[0]))
+        chunks, owners = [c for c, _ in pairs], [i for _, i in pairs]
         first = net.config.first_layer
-        features, mask = self._features([d[0] for d in docs], first)
+        features, mask = self._features(chunks, first)
         net.train(train)
         with torch.set_grad_enabled(train):
             a, b = net(features, mask)
             a, b = a.float(), b.float()
-            ce, tokens = self._answer_loss(examples, a, b, net.scaling, first)
             penalty = net.weight_l1(a, b)
+            a, b = merge_documents(a, b, owners)  # as generate() merges a document's chunks
+            ce, tokens = self._answer_loss(examples, a, b, net.scaling, first)
             loss = ce + l1 * penalty
         if train:
             for group in hosted.optimizer.param_groups:
@@ -242,9 +245,10 @@ class Hypernets:
         Only the decoder runs (``model.model``: no output layer, so no logits; the
         hypernetwork reads up to the top layer, so every layer is needed), without a K/V
         cache. ``by_length`` (one document's chunks: all full but the last) runs each run of
-        chunks of one length together, unpadded and without an attention mask; else one
-        padded batch (training's documents: one forward). On SmolLM2 the forward is ~97% of
-        an internalization: its matmuls and attention (docs/d2l.md, "Measured")."""
+        chunks of one length together, unpadded and without an attention mask; else (a
+        training batch's chunks, longest first) a padded batch per run of chunks at least half
+        as long as the run's first, so padding at most doubles a chunk. On SmolLM2 the forward
+        is ~97% of an internalization: its matmuls and attention (docs/d2l.md, "Measured")."""
         self.engine._activate(None)
         device = self.engine.device
         config = self.engine.model.config
@@ -254,10 +258,14 @@ class Hypernets:
         mask = torch.zeros((len(chunks), width), dtype=torch.long)
         for i, chunk in enumerate(chunks):
             mask[i, : len(chunk)] = 1
-        # runs of consecutive chunks: of one length each (by_length), else all of them
+        # runs of consecutive chunks: of one length each (by_length), else of lengths within 2x
         runs, start = [], 0
         for i in range(1, len(chunks) + 1):
-            if i == len(chunks) or (by_length and len(chunks[i]) != len(chunks[start])):
+            if i == len(chunks) or (
+                len(chunks[i]) != len(chunks[start])
+                if by_length
+                else 2 * len(chunks[i]) < len(chunks[start])
+            ):
                 runs.append(range(start, i))
                 start = i
         for rows in runs:

@@ -12,7 +12,11 @@ and training grows it from there.
 
 A long document is cut into chunks of at most ``chunk_tokens``; each chunk gets its own rank-r
 LoRA and the chunks' LoRAs are joined along the rank (``merge_chunks``, the reference's
-``lora_merger.py``): the sum of the chunks' updates.
+``lora_merger.py``): the sum of the chunks' updates. Because the latents are normalised, every
+chunk's update would have about the same size, so a haystack's filler chunks would add as much
+as the chunk with the needle; a gate per row (``gated``: a sigmoid of the latent, on B and its
+bias) lets a chunk with nothing to say write (near) nothing. Checkpoints from before the gate
+load without it.
 
 This module is pure torch on tensors (no engine, no files), so its tests need no model.
 """
@@ -43,12 +47,14 @@ class HypernetConfig:
     alpha: float = 16.0  # the LoRA scale is alpha / rank, per chunk
     chunk_tokens: int = 512
     max_chunks: int = 8  # the longest document: max_chunks * chunk_tokens tokens
+    gated: bool = True  # a gate per row of B (see the module's docstring)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> HypernetConfig:
+        values = {"gated": False, **values}  # saved before the gate existed: none
         return cls(**{k: values[k] for k in cls.__dataclass_fields__ if k in values})
 
 
@@ -104,6 +110,7 @@ class Hypernet(nn.Module):
         self.bias_b = nn.Parameter(torch.zeros(n, r, config.hidden))
         self.scale_a = nn.Parameter(torch.ones(n, r, 1))
         self.scale_b = nn.Parameter(torch.zeros(n, r, 1))  # zero: a fresh hypernet is a no-op
+        self.gate = nn.Linear(d, 1) if config.gated else None
 
     @property
     def scaling(self) -> float:
@@ -116,7 +123,10 @@ class Hypernet(nn.Module):
         latents = latents / latents.norm(dim=-1, keepdim=True).clamp_min(1e-6)
         rows = torch.einsum("blrd,ldo->blro", latents, self.head)
         a, b = rows.split([self.config.d_in, self.config.hidden], dim=-1)
-        return a * self.scale_a + self.bias_a, b * self.scale_b + self.bias_b
+        b = b * self.scale_b + self.bias_b
+        if self.gate is not None:
+            b = b * torch.sigmoid(self.gate(latents))
+        return a * self.scale_a + self.bias_a, b
 
     def weight_l1(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Mean absolute generated weight: the reference's penalty keeps adapters small."""
@@ -130,6 +140,27 @@ def merge_chunks(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     return (
         a.permute(1, 0, 2, 3).reshape(n, c * r, -1),
         b.permute(1, 0, 2, 3).reshape(n, c * r, -1),
+    )
+
+
+def merge_documents(
+    a: torch.Tensor, b: torch.Tensor, owners: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunks of several documents ([chunks, layers, rank, _], ``owners[i]``: chunk i's
+    document) -> one LoRA per document ([documents, layers, most chunks * rank, _]): each
+    ``merge_chunks``'d, a document of fewer chunks padded with zero rows (they add nothing)."""
+    merged = []
+    for doc in range(max(owners) + 1):
+        at = [i for i, o in enumerate(owners) if o == doc]
+        merged.append(merge_chunks(a[at], b[at]))
+    rank = max(ma.shape[1] for ma, _ in merged)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t, (0, 0, 0, rank - t.shape[1]))
+
+    return (
+        torch.stack([pad(ma) for ma, _ in merged]),
+        torch.stack([pad(mb) for _, mb in merged]),
     )
 
 
