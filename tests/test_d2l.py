@@ -138,6 +138,12 @@ def test_examples_are_read_by_line_and_synthetic_facts_are_seeded():
         read_examples(['{"document": "d", "question": "q", "answer": "a"}', '{"question": 1}'],
                       "bad.jsonl")  # fmt: skip
     assert "bad.jsonl" in str(bad.value)
+    written = read_examples(['{"document": "Orla Finch lives in Lisbon. It rained."}'], "d.jsonl")
+    assert {"question": "Fill in the blank: Orla Finch lives in ___.", "answer": "Lisbon"} in [
+        {k: r[k] for k in ("question", "answer")} for r in written
+    ]  # a document only: questions written as internalize's templates write them
+    with pytest.raises(Exception, match=r"line 1: a document only, and no sentence"):
+        read_examples(['{"document": "it rained."}'], "d.jsonl")
     facts = synthetic_facts(5, seed=3, filler=2)
     assert facts == synthetic_facts(5, seed=3, filler=2) != synthetic_facts(5, seed=4)
     for row in facts:

@@ -2,8 +2,11 @@
 
 A line of ``rlcli train d2l --dataset`` is ``{"document": ..., "question": ..., "answer": ...}``
 or ``{"document": ..., "qa": [{"question": ..., "answer": ...}, ...]}``; each question becomes
-one example (the document internalized, the question asked, the answer scored). Every bad
-line is named by number before anything runs.
+one example (the document internalized, the question asked, the answer scored). A line with a
+document only gets its questions as ``rlcli internalize`` writes them (``probes.template_probes``,
+up to ``TEMPLATED_PER_DOCUMENT``: each sentence that names something, asked about, its own
+text or its last name or number the answer). Every bad line is named by number before anything
+runs.
 
 ``synthetic_facts`` writes documents offline so a first hypernetwork needs no data: each states
 one fact about a made-up person (favourite colour, pet, city, ...) with an answer from a small
@@ -20,6 +23,7 @@ from collections.abc import Iterable
 from rlcli.data.chat import read_jsonl
 
 SYNTHETIC = "synthetic:"  # --dataset synthetic:N (N generated fact documents)
+TEMPLATED_PER_DOCUMENT = 8  # questions written for a line that gives a document only
 
 # (statement, question, the answers it draws from)
 FACTS = [
@@ -48,6 +52,15 @@ def _example(row) -> tuple[list[dict] | None, str | None]:
     if not isinstance(doc, str) or not doc.strip():
         return None, '"document": missing or empty (a non-empty string)'
     pairs = row.get("qa")
+    if pairs is None and row.get("question") is None and row.get("answer") is None:
+        from rlcli.data.probes import template_probes
+
+        pairs = template_probes(doc, TEMPLATED_PER_DOCUMENT)
+        if not pairs:
+            return None, (
+                "a document only, and no sentence in it names something (a capitalised name "
+                'or a number) to write a question about: give "question" and "answer"'
+            )
     if pairs is None:
         pairs = [{"question": row.get("question"), "answer": row.get("answer")}]
     if not isinstance(pairs, list) or not pairs:

@@ -37,8 +37,9 @@ RENDERER = "chat_template"  # the server renders questions with the base model's
 @dataclass(kw_only=True)
 class D2LOptions(TrainOptions):
     dataset: str = option(
-        help='JSONL of {"document", "question", "answer"} or {"document", "qa": [{"question", '
-        '"answer"}, ...]}; - for stdin; synthetic:N for N generated one-fact documents.'
+        help='JSONL of {"document", "question", "answer"}, {"document", "qa": [{"question", '
+        '"answer"}, ...]} or {"document"} (questions written by internalize\'s templates, up to '
+        "8); - for stdin; synthetic:N for N generated one-fact documents."
     )
     eval_dataset: str | None = option(
         None, "Held-out documents (same format): their answer loss is reported at the end."
