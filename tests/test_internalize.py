@@ -80,6 +80,34 @@ def test_default_epochs_shrink_and_lr_rises_as_the_probes_grow(tiny_model, docum
     assert plan("--epochs", "16")["lr"] == 1e-3  # more passes keep the base rate
 
 
+def test_the_teachers_reply_is_read_as_questions_and_auto_picks_the_writer(tmp_path):
+    from rlcli.data.probes import written_questions
+    from rlcli.recipes.internalize import InternalizeOptions, question_writer
+
+    reply = (
+        "Here are three questions:\n1. Where does Orla Finch live?\n2) When was it built?\n"
+        "- Where does  orla finch live?\nQ3: Who?\nQuestion 4: What is the tower made of?\n"
+        "The tower is tall."
+    )
+    assert written_questions(reply, 5) == [
+        "Where does Orla Finch live?", "When was it built?", "What is the tower made of?"
+    ]  # fmt: skip
+    assert written_questions(reply, 1) == ["Where does Orla Finch live?"]
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096}
+    ))  # fmt: skip
+
+    def writer(model: str, asked: str = "auto") -> str:
+        opts = InternalizeOptions(documents=["d"], model=model, question_writer=asked)
+        return question_writer(opts, model)
+
+    assert writer(str(big)) == "model"  # ~6.4e9 parameters
+    assert writer(str(big), "templates") == "templates"
+    assert writer(str(tmp_path / "missing")) == "templates"  # unreadable: the safe choice
+
+
 def test_templated_probes_ask_about_every_fact_before_a_second_wording():
     from rlcli.data.probes import template_probes
 
@@ -196,16 +224,25 @@ def test_python_api_progress_and_resume(server, tiny_model, document, tmp_path):
     options = InternalizeOptions(
         documents=[str(document)], model=str(tiny_model), base_url=server.base_url,
         log_path=str(tmp_path / "run"), n_questions=8, max_steps=2, batch_size=4,
-        max_answer_tokens=4, targets="reference",
+        max_answer_tokens=4, targets="reference", question_writer="model",
     )  # fmt: skip
     outcome = rlcli.internalize(options, on_progress=events.append)
-    assert outcome.summary["receipt"]["scores"]["internalized"] is not None
+    receipt = outcome.summary["receipt"]
+    assert receipt["scores"]["internalized"] is not None
     steps = [e for e in events if isinstance(e, rlcli.Step)]
     assert [s.step for s in steps] == [1, 2] and "loss" in steps[0].metrics
-    assert any("teacher answers" in e.text for e in events if isinstance(e, rlcli.Message))
+    said = [e.text for e in events if isinstance(e, rlcli.Message)]
+    assert any("teacher writes questions" in t for t in said)
+    assert any("teacher answers" in t for t in said)
+    # The random tiny model writes no usable question: templated ones instead, and it says so.
+    written = tmp_path / "run" / "written.jsonl"
+    sources = {json.loads(line)["source"] for line in written.open()}
+    assert receipt["questions"]["writer"] == "model" and sources <= {"model", "template"}
+    assert ("template" in sources) == any("no usable question" in t for t in said)
     # Again on the same folder: it resumes, trains nothing more, and keeps the same adapter.
+    mtime = written.stat().st_mtime_ns
     again = rlcli.internalize(options)
-    assert again.plan.resuming
+    assert again.plan.resuming and written.stat().st_mtime_ns == mtime  # not written again
     assert again.summary["sampler_path"] == outcome.summary["sampler_path"]
     # Another setting on the same folder is refused, naming it.
     with pytest.raises(rlcli.RlcliError, match="--top-k"):

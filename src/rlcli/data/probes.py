@@ -4,10 +4,12 @@ view, and the student learns to answer without it.
 Two sources. ``--questions FILE``: JSONL rows ``{"question": ..., "answer": ...}`` (the answer
 optional; ``"document"`` may name the document a row is about, by path or 0-based index;
 ``"held_out": true`` keeps a row for the receipt only). ``--n-questions N``: questions written
-from the document by templates (``template_probes``), since a small model cannot write good
-ones: each sentence that names something (a capitalised name or a number) is asked about in
-several wordings, its own text the reference answer, and cloze forms whose answer is the
-sentence's last name or number (``check``, what the receipt looks for in an answer).
+from the document, by the teacher model (``WRITE_QUESTIONS``, its reply read by
+``written_questions``; no reference answer) or, for small models that cannot write good ones,
+by templates (``template_probes``): each sentence that names something (a capitalised name or
+a number) is asked about in several wordings, its own text the reference answer, and cloze
+forms whose answer is the sentence's last name or number (``check``, what the receipt looks
+for in an answer).
 
 ``split`` then keeps a ``--test-size`` share of each document's probes out of training.
 """
@@ -37,6 +39,12 @@ SUBJECT_TEMPLATES = (
     ("Repeat what you read about {subject}.", "sentence"),
 )
 PLAIN_TEMPLATES = (("Continue this sentence from the document: {half} ...", "rest"),)
+# What the teacher is asked, after a chunk, to write questions about it.
+WRITE_QUESTIONS = (
+    "Write {n} different questions that the text above answers, one per line. "
+    "Write only the questions."
+)
+_NUMBERING = re.compile(r"^\s*(?:[-*\u2022]|\(?\d+[.):]|q(?:uestion)?\s*\d*\s*[.):])?\s*", re.I)
 
 
 def to_question(row) -> tuple[dict | None, str | None]:
@@ -129,6 +137,19 @@ def template_probes(text: str, n: int) -> list[dict]:
 def _wording_by_wording(groups: list[list[dict]]) -> list[dict]:
     most = max((len(g) for g in groups), default=0)
     return [g[i] for i in range(most) for g in groups if i < len(g)]
+
+
+def written_questions(reply: str, n: int) -> list[str]:
+    """The questions in a model's reply to ``WRITE_QUESTIONS``: its lines that end in "?"
+    (numbering and bullets stripped), of 3 to 40 words, each once, at most ``n``."""
+    out, seen = [], set()
+    for line in reply.splitlines():
+        question = _NUMBERING.sub("", line).strip()
+        key = " ".join(question.lower().split())
+        if question.endswith("?") and 3 <= len(question.split()) <= 40 and key not in seen:
+            seen.add(key)
+            out.append(question)
+    return out[:n]
 
 
 def split(probes: list[dict], test_size: float, seed: int) -> tuple[list[dict], list[dict]]:

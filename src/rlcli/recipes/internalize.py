@@ -4,8 +4,10 @@ context (per-document context distillation, Snell et al. 2022).
 This module is the command's side. ``prepare`` reads the documents and the probes
 (``--questions`` and templated ones, ``data/probes.py``), cuts the documents into chunks that
 fit the window, keeps a ``--test-size`` share of the probes out, and plans; no server, no
-writes. ``commit`` writes the documents and probes into the run folder. What the recipe child
-then does with them (the teacher's targets, the training, the receipt) is
+writes. Questions the teacher writes (``--question-writer model``) need the server, so the
+plan counts ``--n-questions`` a document and the child writes them when the run starts.
+``commit`` writes the documents and probes into the run folder. What the recipe child then
+does with them (the questions it writes, the teacher's targets, the training, the receipt) is
 ``internalize_child.py``.
 """
 
@@ -40,6 +42,10 @@ DEFAULT_EPOCHS = 8
 MIN_EPOCHS = 4
 STEP_BUDGET = 56
 BASE_LR = 1e-3
+# --question-writer auto: the teacher writes the questions from this size up (parameters,
+# estimated from its config), templates below it. SmolLM2-135M's own questions, measured
+# (docs/internalize.md), are fewer and vaguer than its templates'.
+WRITER_MIN_PARAMS = 1_000_000_000
 
 
 @dataclass(kw_only=True)
@@ -78,7 +84,17 @@ class InternalizeOptions(TrainOptions):
         'Probes JSONL: {"question": ..., "answer": ...} (answer optional; "document": a path '
         'or index; "held_out": true keeps a row for the receipt).',
     )
-    n_questions: int = option(60, "Templated probes per document (0: only --questions).", min=0)
+    n_questions: int = option(
+        60, "Probes written per document (0: only --questions); see --question-writer.", min=0
+    )
+    question_writer: str = option(
+        "auto",
+        "Who writes the --n-questions probes: templates (each sentence that names something, "
+        "asked about, its text the reference), model (the teacher, from each chunk, when the "
+        "run starts; no reference answers), auto (model for a teacher of 1B parameters or "
+        "more, else templates).",
+        choices=("auto", "templates", "model"),
+    )
     test_size: float = option(
         0.2, "Share of each document's probes held out for the receipt, never trained on.",
         min=0, lt=1,
@@ -139,6 +155,7 @@ class InternalizePlan(Plan):
     train_probes: int
     held_out_probes: int
     probes_with_reference: int
+    question_writer: str  # templates, or model: the child writes them (counted in the probes)
     teacher_model: str
     epochs: int
     lr: float
@@ -156,6 +173,27 @@ def default_epochs(steps_per_epoch: int) -> int:
 def default_lr(epochs: int) -> float:
     """``--lr``'s default for ``epochs`` passes (see BASE_LR)."""
     return BASE_LR * max(1.0, DEFAULT_EPOCHS / epochs)
+
+
+def question_writer(opts: InternalizeOptions, teacher: str) -> str:
+    """``--question-writer`` resolved: auto is model for a teacher of ``WRITER_MIN_PARAMS``
+    or more (estimated from its config: 12 x layers x hidden^2), else templates."""
+    if opts.question_writer != "auto":
+        return opts.question_writer
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(teacher)
+        size = 12 * config.num_hidden_layers * config.hidden_size**2
+    except Exception:  # an offline hub id, an odd config: the safe choice
+        return "templates"
+    return "model" if size >= WRITER_MIN_PARAMS else "templates"
+
+
+def written_split(n: int, test_size: float) -> tuple[int, int]:
+    """(trained, held out) of ``n`` written questions, as ``probes.split`` divides them."""
+    held = min(math.ceil(test_size * n), max(n - 1, 0)) if test_size else 0
+    return n - held, held
 
 
 def read_questions(path: str) -> list[dict]:
@@ -203,8 +241,9 @@ def token_counter(tokenizer):
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def build_probes(opts: InternalizeOptions, documents, chunked, count) -> list[dict]:
-    """Every probe with its document, chunk and split (seeded: a resume plans the same)."""
+def build_probes(opts: InternalizeOptions, documents, chunked, count, writer) -> list[dict]:
+    """Every probe with its document, chunk and split (seeded: a resume plans the same); no
+    templated ones where the teacher writes them (``writer`` model)."""
     names = [d.name for d in documents]
     rows: list[dict] = []
     if opts.questions:
@@ -218,13 +257,8 @@ def build_probes(opts: InternalizeOptions, documents, chunked, count) -> list[di
                 )
             rows.append({**row, "document": doc, "chunk": docs_mod.best_chunk(chunked[doc], about)})
     for i, document in enumerate(documents):
-        for probe in probes_mod.template_probes(document.text, opts.n_questions):
-            sentence = probe["answer"] if probe["answer"] in document.text else probe["question"]
-            chunk = next(
-                (j for j, piece in enumerate(chunked[i]) if sentence in piece),
-                docs_mod.best_chunk(chunked[i], sentence),
-            )
-            rows.append({**probe, "document": i, "chunk": chunk})
+        if writer == "templates":
+            rows += templated(i, document.text, chunked[i], opts.n_questions)
     out = []
     for i in range(len(documents)):
         train, held = probes_mod.split(
@@ -235,6 +269,19 @@ def build_probes(opts: InternalizeOptions, documents, chunked, count) -> list[di
     if longest > 4096:
         raise RlcliError(f"--questions {opts.questions}: a question of {longest} tokens")
     return out
+
+
+def templated(index: int, text: str, chunks: list[str], n: int) -> list[dict]:
+    """Document ``index``'s templated probes, each with the chunk its sentence is in."""
+    rows = []
+    for probe in probes_mod.template_probes(text, n):
+        sentence = probe["answer"] if probe["answer"] in text else probe["question"]
+        chunk = next(
+            (j for j, piece in enumerate(chunks) if sentence in piece),
+            docs_mod.best_chunk(chunks, sentence),
+        )
+        rows.append({**probe, "document": index, "chunk": chunk})
+    return rows
 
 
 class Internalize(Recipe):
@@ -300,17 +347,23 @@ class Internalize(Recipe):
                 "beside the question and answer"
             )
         chunked = [docs_mod.chunks(d.text, count, chunk_tokens) for d in documents]
-        probes = build_probes(opts, documents, chunked, count)
+        writer = question_writer(opts, teacher)
+        probes = build_probes(opts, documents, chunked, count, writer)
         train = [p for p in probes if not p["held_out"]]
-        if not train:
+        # the teacher's questions, counted as asked (the child writes them; if it writes
+        # fewer, the planned steps make more passes over them)
+        to_write = opts.n_questions if writer == "model" else 0
+        written_train, written_held = written_split(to_write, opts.test_size)
+        if not train and not written_train:
             raise RlcliError("no probe to train on: every probe is held out")
         for i, d in enumerate(documents):
-            if not any(p["document"] == i for p in probes):
+            if not to_write and not any(p["document"] == i for p in probes):
                 raise RlcliError(
                     f"DOCUMENT {d.name}: no probe about it (no sentence names anything for the "
                     "templates and no --questions row matches it); add --questions"
                 )
-        steps_per_epoch = math.ceil(len(train) / opts.batch_size)
+        planned_train = len(train) + written_train * len(documents)
+        steps_per_epoch = math.ceil(planned_train / opts.batch_size)
         epochs = opts.epochs or default_epochs(steps_per_epoch)
         plan = InternalizePlan(
             run_dir=str(run_dir),
@@ -319,16 +372,16 @@ class Internalize(Recipe):
                     "name": d.name,
                     "characters": len(d.text),
                     "chunks": len(chunked[i]),
-                    "train_probes": sum(1 for p in train if p["document"] == i),
-                    "held_out_probes": sum(
-                        1 for p in probes if p["document"] == i and p["held_out"]
-                    ),
+                    "train_probes": written_train + sum(1 for p in train if p["document"] == i),
+                    "held_out_probes": written_held
+                    + sum(1 for p in probes if p["document"] == i and p["held_out"]),
                 }
                 for i, d in enumerate(documents)
             ],
-            train_probes=len(train),
-            held_out_probes=len(probes) - len(train),
+            train_probes=planned_train,
+            held_out_probes=len(probes) - len(train) + written_held * len(documents),
             probes_with_reference=sum(1 for p in probes if p.get("answer")),
+            question_writer=writer,
             teacher_model=teacher,
             epochs=epochs,
             lr=opts.lr or default_lr(epochs),
@@ -375,8 +428,9 @@ class Internalize(Recipe):
 
     def describe(self, plan, served_by: str = "") -> str:
         n = len(plan.documents)
+        written = " (questions written by the teacher)" if plan.question_writer == "model" else ""
         return (
-            f"{n} document{'s' if n != 1 else ''}, {plan.train_probes} probes "
+            f"{n} document{'s' if n != 1 else ''}, {plan.train_probes} probes{written} "
             f"({plan.held_out_probes} held out), {plan.steps} steps; teacher {plan.teacher_model}"
             f" with the document in view"
         )

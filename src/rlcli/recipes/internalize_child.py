@@ -1,14 +1,16 @@
 """What ``rlcli internalize``'s recipe child does with the run folder ``internalize.py`` planned
 and committed, each phase its own event loop.
 
-It asks the teacher (the same model, or ``--teacher``, with the probe's chunk before the
-question) for top-K targets (``client/context_distill.py``; asked once, a resume reads them),
-trains a fresh LoRA toward them without the document (``train_loop``: ``cross_entropy`` with
-``[T, K]`` targets; a cookbook logger, so progress, cancel and resume work as for every train
-command), optionally runs on-policy steps with the chunk as the teacher's hint (opsd's recipe
-and teacher seam, ``on_policy``), and writes the receipt: the held-out probes answered by the
-base model without the document, with it (the ceiling), by the adapter without it, and by the
-control (the base model with an unrelated document).
+With ``--question-writer model`` the teacher first writes the questions (``write_questions``;
+written once, a resume reads them). It asks the teacher (the same model, or ``--teacher``,
+with the probe's chunk before the question) for top-K targets (``client/context_distill.py``;
+asked once, a resume reads them), trains a fresh LoRA toward them without the document
+(``train_loop``: ``cross_entropy`` with ``[T, K]`` targets; a cookbook logger, so progress,
+cancel and resume work as for every train command), optionally runs on-policy steps with the
+chunk as the teacher's hint (opsd's recipe and teacher seam, ``on_policy``), and writes the
+receipt: the held-out probes answered by the base model without the document, with it (the
+ceiling), by the adapter without it, and by the control (the base model with an unrelated
+document).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rlcli.recipes import base, opsd
 DOCUMENTS_FILE = "documents.json"  # the documents and their chunks, as the run reads them
 PROBES_FILE = "probes.jsonl"  # every probe, its document, chunk and split
 TARGETS_FILE = "targets.jsonl"  # the teacher's targets (asked once; a resume reads them)
+WRITTEN_FILE = "written.jsonl"  # the questions the teacher wrote (once; a resume reads them)
 RECEIPT_FILE = "receipt.json"
 ON_POLICY_DIR = "on_policy"  # the opsd phase's own run folder, inside this one
 # The control: the base model with this in its context instead of the document (one document).
@@ -47,14 +50,20 @@ def run(spec: dict) -> dict:
     run_dir = Path(plan["run_dir"])
     documents = json.loads((run_dir / DOCUMENTS_FILE).read_text())
     probes = [json.loads(line) for line in (run_dir / PROBES_FILE).read_text().splitlines()]
-    train = [p for p in probes if not p["held_out"]]
     render = renderer_of(spec)
     service = tinker.ServiceClient(base_url=opts["base_url"])
+    if plan["question_writer"] == "model" and opts["n_questions"]:
+        probes += asyncio.run(write_questions(spec, service, render, documents))
+    train = [p for p in probes if not p["held_out"]]
     rows = asyncio.run(targets(spec, service, render, documents, train))
     paths = asyncio.run(train_loop(spec, service, rows))
     if opts["on_policy_steps"]:
         paths = on_policy(spec, documents, train, render, paths)
     receipt = asyncio.run(score(spec, service, render, documents, probes, paths["sampler_path"]))
+    receipt["questions"] = {
+        "writer": plan["question_writer"],
+        "by_source": {k: sum(p["source"] == k for p in probes) for k in sources(probes)},
+    }
     atomic.write_text(run_dir / RECEIPT_FILE, json.dumps(receipt, indent=2) + "\n")
     return {
         "run_dir": str(run_dir),
@@ -100,6 +109,66 @@ async def gathered(coroutines, spec: dict, phase: str, limit: int = IN_FLIGHT) -
 
     status(spec, f"{phase} (0/{len(coroutines)})")
     return await asyncio.gather(*(one(c) for c in coroutines))
+
+
+def sources(probes: list[dict]) -> list[str]:
+    return sorted({p["source"] for p in probes})
+
+
+async def write_questions(spec, service, render, documents) -> list[dict]:
+    """``--question-writer model``: the teacher writes up to ``--n-questions`` questions a
+    document, spread over its chunks (each chunk in view, ``probes.WRITE_QUESTIONS``; its
+    reply read by ``probes.written_questions``), split as the other probes are. A document it
+    writes no usable question about gets templated ones instead (said in the status). Written
+    once into the run folder: a resume reads them."""
+    from rlcli.client.context_distill import answer
+    from rlcli.data import probes as probes_mod
+    from rlcli.recipes.internalize import templated
+
+    opts, plan = spec["options"], spec["plan"]
+    path = Path(plan["run_dir"]) / WRITTEN_FILE
+    if path.exists():
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    n = opts["n_questions"]
+    teacher = await service.create_sampling_client(base_model=plan["teacher_model"])
+    asks = [(d, c) for d, doc in enumerate(documents) for c in range(len(doc["chunks"]))]
+    per_chunk = [math.ceil(n / len(doc["chunks"])) for doc in documents]
+    replies = await gathered(
+        [
+            answer(
+                teacher,
+                render,
+                probes_mod.WRITE_QUESTIONS.format(n=per_chunk[d]),
+                documents[d]["chunks"][c],
+                min(1024, 48 * per_chunk[d]),
+            )  # fmt: skip
+            for d, c in asks
+        ],
+        spec,
+        "the teacher writes questions about the document",
+    )
+    rows = []
+    for d, doc in enumerate(documents):
+        by_chunk = [
+            [(c, q) for q in probes_mod.written_questions(text, per_chunk[d])]
+            for (owner, c), text in zip(asks, replies, strict=True)
+            if owner == d
+        ]
+        mine, seen = [], set()
+        for i in range(per_chunk[d]):  # question by question across chunks: a cap keeps all
+            for c, question in (qs[i] for qs in by_chunk if i < len(qs)):
+                key = " ".join(question.lower().split())
+                if key not in seen and len(mine) < n:
+                    seen.add(key)
+                    mine.append({"question": question, "answer": None, "source": "model",
+                                 "held_out": False, "document": d, "chunk": c})  # fmt: skip
+        if not mine:
+            status(spec, f"the teacher wrote no usable question about {doc['name']}: templates")
+            mine = templated(d, doc["text"], doc["chunks"], n)
+        train, held = probes_mod.split(mine, opts["test_size"], opts["seed"])
+        rows += train + held
+    atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    return rows
 
 
 async def targets(spec, service, render, documents, train) -> list[dict]:
