@@ -126,6 +126,20 @@ def test_internalizing_by_chunk_length_gives_the_full_forwards_adapter(tiny_mode
             torch.testing.assert_close(state[f"{prefix}.lora_B.weight"], b[i].T)
 
 
+def test_a_step_whose_chunks_would_not_fit_the_memory_stated_is_refused(tiny_model, monkeypatch):
+    from rlcli.server.engine import d2l
+    from rlcli.server.engine.core import Engine
+    from rlcli.server.errors import UserError
+
+    engine = Engine(str(tiny_model), device="cpu", dtype="float32")
+    engine.hypernets.create("h", {**SMALL, "chunk_tokens": 16, "max_chunks": 8}, 0)
+    example = {"document": "Kalo lives in city 4. " * 8, "question": "Where?", "answer": "4"}
+    monkeypatch.setattr(d2l, "MAX_STEP_FEATURE_BYTES", 16 * 1024)
+    with pytest.raises(UserError, match=r"examples: 2 documents of \d+ chunks in all; their hid"):
+        engine.hypernets.step("h", [example] * 2, 1e-3, 0.0, train=True)
+    assert engine.hypernets.training["h"].steps == 0
+
+
 def test_examples_are_read_by_line_and_synthetic_facts_are_seeded():
     rows = read_examples(
         ['{"document": "d", "question": "q", "answer": "a"}',

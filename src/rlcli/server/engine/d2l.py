@@ -41,6 +41,9 @@ from rlcli.server.store import checkpoints
 WEIGHTS_FILE, CONFIG_FILE = "hypernet.safetensors", "hypernet.json"
 KIND = "hypernet_weights"
 MAX_LOADED = 4  # hypernetworks read from checkpoints, kept loaded for internalizing (LRU)
+# A training step keeps every chunk's hidden states (float32) for the backward pass: a batch
+# of 8 documents of 8 chunks on SmolLM2's 30 layers is 4.5 GB. Above this, refused.
+MAX_STEP_FEATURE_BYTES = 4 << 30
 TARGET = "down_proj"
 
 
@@ -112,6 +115,14 @@ class Hypernets:
         docs = [self._document_ids(e["document"], net.config, "examples") for e in examples]
         # longest first: _features pads each run of chunks at most 2x
         pairs = [(c, i) for i, doc in enumerate(docs) for c in doc]
+        size = len(pairs) * net.config.n_layers * net.config.hidden * 4
+        size *= max(len(c) for c, _ in pairs)
+        if size > MAX_STEP_FEATURE_BYTES:
+            raise UserError(
+                f"examples: {len(examples)} documents of {len(pairs)} chunks in all; their hidden "
+                f"states would take {size / 2**30:.1f} GiB (at most {MAX_STEP_FEATURE_BYTES >> 30}"
+                "): fewer examples a step or shorter documents"
+            )
         pairs.sort(key=lambda p: -len(p[0]))
         chunks, owners = [c for c, _ in pairs], [i for _, i in pairs]
         first = net.config.first_layer
