@@ -123,11 +123,15 @@ def learning(args, model: str, tmp: str) -> dict:
     ) as record:
         url = record.base_url
         hn = Hypernets(url)
-        made = hn.create(
-            seed=0, rank=args.rank, latent=args.latent, lora_layers=args.lora_layers,
-            max_chunks=chunks,
-        )  # fmt: skip
-        hid = made["hypernet_id"]
+        if args.init:  # go on training a saved hypernetwork (its shape, its optimizer)
+            hid = hn.load(args.init)["hypernet_id"]
+            made = saved_shape(keep, args.init)
+        else:
+            made = hn.create(
+                seed=0, rank=args.rank, latent=args.latent, lora_layers=args.lora_layers,
+                max_chunks=chunks,
+            )  # fmt: skip
+            hid = made["hypernet_id"]
         shuffled = [dict(r, document=held[(i + 1) % len(held)]["document"]) for i, r in
                     enumerate(held)]  # fmt: skip
         before = {
@@ -191,6 +195,7 @@ def learning(args, model: str, tmp: str) -> dict:
         }
         | {"max_chunks": chunks},
         "hypernet_path": path,
+        "init": args.init,
         "checkpoints_dir": str(keep) if args.keep else None,
         "dtype": args.dtype,
         "train_filler_sentences_max": args.train_filler,
@@ -214,6 +219,16 @@ def learning(args, model: str, tmp: str) -> dict:
         "context_distillation": distilled,
         "haystack": haystack_receipt(args, window, haystacks, needles) if haystacks else None,
     }
+
+
+def saved_shape(keep: Path, path: str) -> dict:
+    """A saved hypernetwork's shape (``--init``), as ``create`` answers it."""
+    folder = keep / path.removeprefix("tinker://")
+    config = json.loads((folder / "hypernet.json").read_text())["config"]
+    from safetensors.torch import load_file
+
+    weights = load_file(folder / "hypernet.safetensors")
+    return {**config, "params": sum(t.numel() for t in weights.values())}
 
 
 def training_rows(n: int, filler: int, ramp: float = 0.0) -> list[dict]:
@@ -500,6 +515,10 @@ def main() -> None:
         default=0,
         help="training documents hide their fact among 0..N filler sentences",
     )
+    parser.add_argument(
+        "--init", default=None,
+        help="a saved hypernetwork (tinker://..., in --keep) to go on training, not a new one",
+    )  # fmt: skip
     parser.add_argument(
         "--filler-ramp", type=float, default=0.0,
         help="the most filler grows from 0 over this share of the steps (0: N throughout)",

@@ -16,6 +16,7 @@ for in an answer).
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections.abc import Iterable
@@ -152,17 +153,19 @@ def written_questions(reply: str, n: int) -> list[str]:
     return out[:n]
 
 
+def held_count(n: int, test_size: float) -> int:
+    """How many of ``n`` probes ``split`` holds out: ``ceil(test_size * n)``, leaving one."""
+    return min(math.ceil(test_size * n), max(n - 1, 0)) if test_size else 0
+
+
 def split(probes: list[dict], test_size: float, seed: int) -> tuple[list[dict], list[dict]]:
     """(training probes, held-out probes): rows marked ``held_out`` plus ``ceil(test_size *
     n)`` of the others, drawn with ``seed``; at least one probe is always trained on."""
-    import math
-
     forced = [p for p in probes if p.get("held_out")]
     free = [p for p in probes if not p.get("held_out")]
     order = list(range(len(free)))
     random.Random(seed).shuffle(order)
-    count = min(math.ceil(test_size * len(free)), max(len(free) - 1, 0)) if test_size else 0
-    chosen = set(order[:count])
+    chosen = set(order[: held_count(len(free), test_size)])
     train = [p for i, p in enumerate(free) if i not in chosen]
     held = forced + [p for i, p in enumerate(free) if i in chosen]
     return train, [{**p, "held_out": True} for p in held]

@@ -190,12 +190,6 @@ def question_writer(opts: InternalizeOptions, teacher: str) -> str:
     return "model" if size >= WRITER_MIN_PARAMS else "templates"
 
 
-def written_split(n: int, test_size: float) -> tuple[int, int]:
-    """(trained, held out) of ``n`` written questions, as ``probes.split`` divides them."""
-    held = min(math.ceil(test_size * n), max(n - 1, 0)) if test_size else 0
-    return n - held, held
-
-
 def read_questions(path: str) -> list[dict]:
     file = Path(path).expanduser()
     if not file.is_file():
@@ -353,7 +347,8 @@ class Internalize(Recipe):
         # the teacher's questions, counted as asked (the child writes them; if it writes
         # fewer, the planned steps make more passes over them)
         to_write = opts.n_questions if writer == "model" else 0
-        written_train, written_held = written_split(to_write, opts.test_size)
+        written_held = probes_mod.held_count(to_write, opts.test_size)
+        written_train = to_write - written_held
         if not train and not written_train:
             raise RlcliError("no probe to train on: every probe is held out")
         for i, d in enumerate(documents):
@@ -388,8 +383,9 @@ class Internalize(Recipe):
             context_window=window,
             chunk_tokens=chunk_tokens,
             chunking="whole sentences packed into chunks of at most chunk_tokens; each probe "
-            "is answered beside its own chunk (templated: the chunk of its sentence; "
-            "--questions: the chunk sharing the most words with it)",
+            "is answered beside its own chunk (templated: the chunk of its sentence; written "
+            "by the teacher: the chunk it wrote it from; --questions: the chunk sharing the "
+            "most words with it)",
             on_policy_steps=opts.on_policy_steps,
             steps=base.capped(steps_per_epoch * epochs, opts),
             renderer=renderer,
