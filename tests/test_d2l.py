@@ -329,6 +329,13 @@ def test_train_d2l_runs_resumes_and_its_hypernet_internalizes(tmp_path, server, 
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[2]["steps"] == 3
     path = json.loads(again.stdout)["hypernet_path"]
     assert path.split("/")[2] == summary["hypernet_path"].split("/")[2]  # the same id
+    grown = cli("train", "d2l", "--model", str(tiny_model), "--base-url", server.base_url,
+                "--dataset", "synthetic:4", "--batch-size", "4", "--init-checkpoint", path,
+                "--log-path", str(tmp_path / "grown"), "--json")  # fmt: skip
+    assert grown.returncode == 0, grown.stderr[-3000:]
+    assert json.loads(grown.stdout)["hypernet_path"].split("/")[2] != path.split("/")[2]
+    first = json.loads((tmp_path / "grown" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["steps"] == 4  # the 3 steps it started from, then its own
     doc = tmp_path / "doc.txt"
     doc.write_text("Kalo's favorite color is red.")
     made = cli("hypernet", "internalize", str(doc), "--hypernet", path,
@@ -362,6 +369,10 @@ def test_dry_run_plans_and_a_bad_dataset_is_named(tmp_path, tiny_model):
     assert refused.returncode == 1 and "line 2" in refused.stderr
     refused = cli(*base, "--dataset", "synthetic:zero")
     assert refused.returncode == 1 and "synthetic:N" in refused.stderr
+    refused = cli(*base, "--dataset", "synthetic:20", "--init-checkpoint",
+                  "tinker://r/sampler_weights/final")  # fmt: skip
+    assert refused.returncode == 1
+    assert "--init-checkpoint tinker://r/sampler_weights/final: a sampler_weights" in refused.stderr
     import rlcli  # the Python API: the same options, the same plan
 
     options = rlcli.D2LOptions(model=str(tiny_model), dataset="synthetic:20", base_url=DEAD_URL,

@@ -63,6 +63,12 @@ class D2LOptions(TrainOptions):
     filler: int = option(
         0, "synthetic:N only: filler sentences around each fact (a haystack).", min=0
     )
+    init_checkpoint: str | None = option(
+        None,
+        "Start from this hypernetwork (tinker://ID/hypernet_weights/NAME: its weights, its "
+        "optimizer and its shape, which win over --lora-rank, --latent and the rest), e.g. one "
+        "trained on bare facts, then taught haystacks (docs/d2l.md).",
+    )
 
 
 @dataclass
@@ -112,6 +118,10 @@ class D2L(Recipe):
         from rlcli.recipes.preflight import check_model_arg
 
         check_model_arg(opts.model)
+        if opts.init_checkpoint:
+            from rlcli.client.d2l import check_hypernet_path
+
+            check_hypernet_path(opts.init_checkpoint, "--init-checkpoint")
         run_dir = self.run_dir_of(opts)
         examples = load_examples(opts, run_dir, stdin)
         held_out = load_eval(opts)
@@ -186,6 +196,9 @@ class Loop:
             hypernet_id = last["state_path"].removeprefix("tinker://").split("/")[0]
             self.client.load(last["state_path"], hypernet_id=hypernet_id)
             return hypernet_id, int(last["batch"]), saved
+        if self.opts["init_checkpoint"]:
+            loaded = self.client.load(self.opts["init_checkpoint"])
+            return loaded["hypernet_id"], 0, []
         created = self.client.create(
             self.opts["model"], seed=self.opts["seed"], rank=self.opts["lora_rank"],
             latent=self.opts["latent"], chunk_tokens=self.opts["chunk_tokens"],
