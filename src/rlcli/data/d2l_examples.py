@@ -106,6 +106,19 @@ def synthetic_facts(n: int, seed: int = 0, filler: int = 0) -> list[dict]:
     return rows
 
 
+def synthetic_haystacks(n: int, seed: int = 0, most: int = 0) -> list[dict]:
+    """``n`` one-fact documents, each hiding its fact among 0..``most`` filler sentences drawn
+    per document (0: ``synthetic_facts``' bare facts). Varied lengths are what taught
+    SmolLM2's hypernetwork to find the fact (docs/d2l.md, "Measured")."""
+    if not most:
+        return synthetic_facts(n, seed=seed)
+    rng = random.Random(seed)
+    return [
+        synthetic_facts(1, seed=rng.getrandbits(32), filler=rng.randint(0, most))[0]
+        for _ in range(n)
+    ]
+
+
 def answer_choices(question: str) -> tuple[str, ...] | None:
     """The closed set a synthetic question's answer comes from (None: not one of ours)."""
     for _, template, answers in FACTS:

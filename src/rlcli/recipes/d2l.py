@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlcli.data.d2l_examples import SYNTHETIC, read_examples, synthetic_facts
+from rlcli.data.d2l_examples import SYNTHETIC, read_examples, synthetic_haystacks
 from rlcli.errors import RlcliError
 from rlcli.flags import option, retune
 from rlcli.recipes import base
@@ -61,7 +61,10 @@ class D2LOptions(TrainOptions):
     )
     l1: float = option(0.0, "L1 penalty on the generated LoRA weights.", min=0)
     filler: int = option(
-        0, "synthetic:N only: filler sentences around each fact (a haystack).", min=0
+        0,
+        "synthetic:N only: each fact hidden among 0..N filler sentences, drawn per document "
+        "(a haystack; 64 is about one 512-token chunk).",
+        min=0,
     )
     init_checkpoint: str | None = option(
         None,
@@ -84,7 +87,7 @@ def load_examples(opts: D2LOptions, run_dir: Path, stdin) -> list[dict]:
         count = opts.dataset.removeprefix(SYNTHETIC)
         if not count.isdigit() or int(count) < 1:
             raise RlcliError(f"--dataset {opts.dataset}: synthetic:N takes a count N >= 1")
-        return synthetic_facts(int(count), seed=opts.seed, filler=opts.filler)
+        return synthetic_haystacks(int(count), seed=opts.seed, most=opts.filler)
     return base.read_input(opts.dataset, run_dir / EXAMPLES_FILE, stdin, read_examples)[0]
 
 
@@ -96,7 +99,7 @@ def load_eval(opts: D2LOptions) -> list[dict]:
         if not count.isdigit() or int(count) < 1:
             raise RlcliError(f"--eval-dataset {opts.eval_dataset}: synthetic:N takes N >= 1")
         # another seed than training's: held-out documents
-        return synthetic_facts(int(count), seed=opts.seed + 10_007, filler=opts.filler)
+        return synthetic_haystacks(int(count), seed=opts.seed + 10_007, most=opts.filler)
     path = Path(opts.eval_dataset).expanduser()
     if not path.is_file():
         raise RlcliError(f"--eval-dataset {opts.eval_dataset}: no such file")
