@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from conftest import cli
-from rlcli.data.d2l_examples import answer_choices, read_examples, synthetic_facts
+from rlcli.data.d2l_examples import (
+    answer_choices,
+    read_examples,
+    synthetic_facts,
+    synthetic_haystacks,
+)
 from rlcli.server.engine.hypernet import (
     Hypernet,
     HypernetConfig,
@@ -158,6 +163,9 @@ def test_examples_are_read_by_line_and_synthetic_facts_are_seeded():
     ]  # a document only: questions written as internalize's templates write them
     with pytest.raises(Exception, match=r"line 1: a document only, and no sentence"):
         read_examples(['{"document": "it rained."}'], "d.jsonl")
+    stacks = synthetic_haystacks(12, seed=1, most=6)
+    assert stacks == synthetic_haystacks(12, seed=1, most=6)
+    assert len({len(r["document"].split(". ")) for r in stacks}) > 2  # 0..6 fillers each
     facts = synthetic_facts(5, seed=3, filler=2)
     assert facts == synthetic_facts(5, seed=3, filler=2) != synthetic_facts(5, seed=4)
     for row in facts:
