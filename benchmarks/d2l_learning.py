@@ -193,7 +193,7 @@ def learning(args, model: str, tmp: str) -> dict:
         "hypernet": {
             k: made[k] for k in ("params", "rank", "latent", "n_layers", "first_layer", "d_in")
         }
-        | {"max_chunks": chunks},
+        | {"max_chunks": made["max_chunks"]},
         "hypernet_path": path,
         "init": args.init,
         "checkpoints_dir": str(keep) if args.keep else None,
