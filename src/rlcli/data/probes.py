@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterable
 
 from rlcli.data.chat import read_jsonl
-from rlcli.data.documents import sentences
+from rlcli.data.documents import best_chunk, sentences
 
 # A name: capitalised words (a lower-case joiner such as "de" or "of" allowed between them).
 _NAME = r"[A-Z][\w'-]*(?:\s+(?:(?:de|da|van|von|of|the|del|la|le)\s+)?[A-Z][\w'-]*)*"
@@ -133,6 +133,19 @@ def template_probes(text: str, n: int) -> list[dict]:
             others.append(probes)
     ordered = [p for groups in (facts, others) for p in _wording_by_wording(groups)]
     return [{**p, "source": "template", "held_out": False} for p in ordered[:n]]
+
+
+def templated(index: int, text: str, chunks: list[str], n: int) -> list[dict]:
+    """Document ``index``'s ``template_probes``, each with the chunk its sentence is in."""
+    rows = []
+    for probe in template_probes(text, n):
+        sentence = probe["answer"] if probe["answer"] in text else probe["question"]
+        chunk = next(
+            (j for j, piece in enumerate(chunks) if sentence in piece),
+            best_chunk(chunks, sentence),
+        )
+        rows.append({**probe, "document": index, "chunk": chunk})
+    return rows
 
 
 def _wording_by_wording(groups: list[list[dict]]) -> list[dict]:

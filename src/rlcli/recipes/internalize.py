@@ -252,7 +252,7 @@ def build_probes(opts: InternalizeOptions, documents, chunked, count, writer) ->
             rows.append({**row, "document": doc, "chunk": docs_mod.best_chunk(chunked[doc], about)})
     for i, document in enumerate(documents):
         if writer == "templates":
-            rows += templated(i, document.text, chunked[i], opts.n_questions)
+            rows += probes_mod.templated(i, document.text, chunked[i], opts.n_questions)
     out = []
     for i in range(len(documents)):
         train, held = probes_mod.split(
@@ -263,19 +263,6 @@ def build_probes(opts: InternalizeOptions, documents, chunked, count, writer) ->
     if longest > 4096:
         raise RlcliError(f"--questions {opts.questions}: a question of {longest} tokens")
     return out
-
-
-def templated(index: int, text: str, chunks: list[str], n: int) -> list[dict]:
-    """Document ``index``'s templated probes, each with the chunk its sentence is in."""
-    rows = []
-    for probe in probes_mod.template_probes(text, n):
-        sentence = probe["answer"] if probe["answer"] in text else probe["question"]
-        chunk = next(
-            (j for j, piece in enumerate(chunks) if sentence in piece),
-            docs_mod.best_chunk(chunks, sentence),
-        )
-        rows.append({**probe, "document": index, "chunk": chunk})
-    return rows
 
 
 class Internalize(Recipe):

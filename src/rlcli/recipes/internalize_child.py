@@ -123,7 +123,6 @@ async def write_questions(spec, service, render, documents) -> list[dict]:
     once into the run folder: a resume reads them."""
     from rlcli.client.context_distill import answer
     from rlcli.data import probes as probes_mod
-    from rlcli.recipes.internalize import templated
 
     opts, plan = spec["options"], spec["plan"]
     path = Path(plan["run_dir"]) / WRITTEN_FILE
@@ -164,7 +163,7 @@ async def write_questions(spec, service, render, documents) -> list[dict]:
                                  "held_out": False, "document": d, "chunk": c})  # fmt: skip
         if not mine:
             status(spec, f"the teacher wrote no usable question about {doc['name']}: templates")
-            mine = templated(d, doc["text"], doc["chunks"], n)
+            mine = probes_mod.templated(d, doc["text"], doc["chunks"], n)
         train, held = probes_mod.split(mine, opts["test_size"], opts["seed"])
         rows += train + held
     atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
