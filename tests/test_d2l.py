@@ -55,32 +55,17 @@ def test_a_fresh_hypernet_writes_a_zero_update_and_chunks_add_up():
     torch.testing.assert_close(together, apart)
 
 
-def test_a_closed_gate_writes_nothing_and_documents_merge_apart():
+def test_documents_merge_apart():
     net = small_net()
     features, mask = torch.randn(3, 3, 7, 24), torch.ones(3, 7, dtype=torch.long)
     with torch.no_grad():
         net.scale_b.fill_(1.0)
-        net.bias_b.fill_(1.0)
-        net.gate.bias.fill_(-60.0)  # shut: B and its bias are gated alike
-        assert net(features, mask)[1].abs().max() < 1e-20
-        net.gate.bias.fill_(0.0)
         a, b = net(features, mask)
     merged_a, merged_b = merge_documents(a, b, owners=[0, 1, 0])  # chunks 0 and 2: document 0
     assert merged_a.shape == (2, 3, 8, 40) and merged_b.shape == (2, 3, 8, 24)
     torch.testing.assert_close(merged_a[0], merge_chunks(a[[0, 2]], b[[0, 2]])[0])
     torch.testing.assert_close(merged_b[1, :, :4], b[1])
     assert merged_a[1, :, 4:].abs().sum() == 0 == merged_b[1, :, 4:].abs().sum()  # padding
-
-
-def test_a_checkpoint_from_before_the_gate_loads_without_one():
-    record = small_net().config.to_dict()
-    del record["gated"]
-    old = HypernetConfig.from_dict(record)
-    assert not old.gated and small_net().config.gated
-    torch.manual_seed(0)
-    ungated = Hypernet(old)
-    assert ungated.gate is None
-    Hypernet(old).load_state_dict(ungated.state_dict())  # strict: the same parameters
 
 
 def full_forward_adapter(engine, net, chunks: list[list[int]]):
