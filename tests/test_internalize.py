@@ -87,6 +87,7 @@ def test_the_teachers_reply_is_read_as_questions_and_auto_picks_the_writer(tmp_p
     reply = (
         "Here are three questions:\n1. Where does Orla Finch live?\n2) When was it built?\n"
         "- Where does  orla finch live?\nQ3: Who?\nQuestion 4: What is the tower made of?\n"
+        "B: 2. When was it built?\n"
         "The tower is tall."
     )
     assert written_questions(reply, 5) == [

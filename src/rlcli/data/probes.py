@@ -45,7 +45,10 @@ WRITE_QUESTIONS = (
     "Write {n} different questions that the text above answers, one per line. "
     "Write only the questions."
 )
-_NUMBERING = re.compile(r"^\s*(?:[-*\u2022]|\(?\d+[.):]|q(?:uestion)?\s*\d*\s*[.):])?\s*", re.I)
+# "1.", "2)", "-", "Q3:", "Question 4:", "A: 1." (as many as lead the line)
+_NUMBERING = re.compile(
+    r"^\s*(?:(?:[-*\u2022]|\(?(?:\d+|[a-z])[.):]|q(?:uestion)?\s*\d*\s*[.):])\s*)*", re.I
+)
 
 
 def to_question(row) -> tuple[dict | None, str | None]:
