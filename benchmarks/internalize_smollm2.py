@@ -153,6 +153,7 @@ def ntp_adapter(base_url: str, model: str, text: str, folder: Path, steps: int, 
     import rlcli
     from rlcli import SLOptions
 
+    folder.mkdir(parents=True, exist_ok=True)
     data = folder / "ntp.jsonl"
     row = {"messages": [{"role": "user", "content": "Recite the document."},
                         {"role": "assistant", "content": text}]}  # fmt: skip
