@@ -82,7 +82,7 @@ def test_default_epochs_shrink_and_lr_rises_as_the_probes_grow(tiny_model, docum
 
 def test_the_teachers_reply_is_read_as_questions_and_auto_picks_the_writer(tmp_path):
     from rlcli.data.probes import written_questions
-    from rlcli.recipes.internalize import InternalizeOptions, question_writer
+    from rlcli.recipes.internalize import InternalizeOptions, model_config, question_writer
 
     reply = (
         "Here are three questions:\n1. Where does Orla Finch live?\n2) When was it built?\n"
@@ -102,7 +102,7 @@ def test_the_teachers_reply_is_read_as_questions_and_auto_picks_the_writer(tmp_p
 
     def writer(model: str, asked: str = "auto") -> str:
         opts = InternalizeOptions(documents=["d"], model=model, question_writer=asked)
-        return question_writer(opts, model)
+        return question_writer(opts, model_config(model))
 
     assert writer(str(big)) == "model"  # ~6.4e9 parameters
     assert writer(str(big), "templates") == "templates"

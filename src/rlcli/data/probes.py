@@ -156,13 +156,18 @@ def _wording_by_wording(groups: list[list[dict]]) -> list[dict]:
     return [g[i] for i in range(most) for g in groups if i < len(g)]
 
 
+def question_key(question: str) -> str:
+    """What makes two written questions the same one: case and spacing aside."""
+    return " ".join(question.lower().split())
+
+
 def written_questions(reply: str, n: int) -> list[str]:
     """The questions in a model's reply to ``WRITE_QUESTIONS``: its lines that end in "?"
     (numbering and bullets stripped), of 3 to 40 words, each once, at most ``n``."""
     out, seen = [], set()
     for line in reply.splitlines():
         question = _NUMBERING.sub("", line).strip()
-        key = " ".join(question.lower().split())
+        key = question_key(question)
         if question.endswith("?") and 3 <= len(question.split()) <= 40 and key not in seen:
             seen.add(key)
             out.append(question)

@@ -175,17 +175,25 @@ def default_lr(epochs: int) -> float:
     return BASE_LR * max(1.0, DEFAULT_EPOCHS / epochs)
 
 
-def question_writer(opts: InternalizeOptions, teacher: str) -> str:
-    """``--question-writer`` resolved: auto is model for a teacher of ``WRITER_MIN_PARAMS``
-    or more (estimated from its config: 12 x layers x hidden^2), else templates."""
-    if opts.question_writer != "auto":
-        return opts.question_writer
+def model_config(model: str):
+    """The model's transformers config, or None where it cannot be read (an offline hub id,
+    an odd folder): read once, for the window and the question writer."""
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(teacher)
+        return AutoConfig.from_pretrained(model)
+    except Exception:
+        return None
+
+
+def question_writer(opts: InternalizeOptions, config) -> str:
+    """``--question-writer`` resolved: auto is model for a teacher of ``WRITER_MIN_PARAMS``
+    or more (estimated from its ``config``: 12 x layers x hidden^2), else templates."""
+    if opts.question_writer != "auto":
+        return opts.question_writer
+    try:
         size = 12 * config.num_hidden_layers * config.hidden_size**2
-    except Exception:  # an offline hub id, an odd config: the safe choice
+    except Exception:  # no config, an odd one: the safe choice
         return "templates"
     return "model" if size >= WRITER_MIN_PARAMS else "templates"
 
@@ -215,18 +223,12 @@ def document_of(row: dict, names: list[str], path: str, number: int) -> int | No
     )
 
 
-def window_of(model: str, given: int | None) -> int:
-    """The context window: ``--context-window``, else the model config's, else 2048."""
+def window_of(config, given: int | None) -> int:
+    """The context window: ``--context-window``, else the model ``config``'s, else 2048."""
     if given:
         return given
-    try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(model)
-        found = getattr(config, "max_position_embeddings", None)
-        return int(found) if found else 2048
-    except Exception:
-        return 2048
+    found = getattr(config, "max_position_embeddings", None)
+    return int(found) if found else 2048
 
 
 def token_counter(tokenizer):
@@ -306,7 +308,8 @@ class Internalize(Recipe):
         if teacher != opts.model:
             opsd.check_same_tokenizer(tokenizer, teacher)
         count = token_counter(tokenizer)
-        window = window_of(teacher, opts.context_window)
+        config = model_config(teacher)
+        window = window_of(config, opts.context_window)
         question_room = TEMPLATE_TOKENS + opts.max_answer_tokens
         probes_room = max(
             (
@@ -328,7 +331,7 @@ class Internalize(Recipe):
                 "beside the question and answer"
             )
         chunked = [docs_mod.chunks(d.text, count, chunk_tokens) for d in documents]
-        writer = question_writer(opts, teacher)
+        writer = question_writer(opts, config)
         probes = build_probes(opts, documents, chunked, count, writer)
         train = [p for p in probes if not p["held_out"]]
         # the teacher's questions, counted as asked (the child writes them; if it writes

@@ -156,7 +156,7 @@ async def write_questions(spec, service, render, documents) -> list[dict]:
         mine, seen = [], set()
         for i in range(per_chunk[d]):  # question by question across chunks: a cap keeps all
             for c, question in (qs[i] for qs in by_chunk if i < len(qs)):
-                key = " ".join(question.lower().split())
+                key = probes_mod.question_key(question)
                 if key not in seen and len(mine) < n:
                     seen.add(key)
                     mine.append({"question": question, "answer": None, "source": "model",

@@ -113,8 +113,7 @@ class Hypernets:
         net = hosted.net
         started = time.perf_counter()
         docs = [self._document_ids(e["document"], net.config, "examples") for e in examples]
-        # longest first: _features pads each run of chunks at most 2x
-        pairs = [(c, i) for i, doc in enumerate(docs) for c in doc]
+        pairs = [(c, i) for i, doc in enumerate(docs) for c in doc]  # (chunk, its document)
         size = len(pairs) * net.config.n_layers * net.config.hidden * 4
         size *= max(len(c) for c, _ in pairs)
         if size > MAX_STEP_FEATURE_BYTES:
@@ -123,7 +122,7 @@ class Hypernets:
                 f"states would take {size / 2**30:.1f} GiB (at most {MAX_STEP_FEATURE_BYTES >> 30}"
                 "): fewer examples a step or shorter documents"
             )
-        pairs.sort(key=lambda p: -len(p[0]))
+        pairs.sort(key=lambda p: -len(p[0]))  # longest first: _features pads a run at most 2x
         chunks, owners = [c for c, _ in pairs], [i for _, i in pairs]
         first = net.config.first_layer
         features, mask = self._features(chunks, first)
