@@ -16,6 +16,9 @@ aside). Also the held-out answer loss with the right and with a shuffled documen
 sentence; documents past a chunk (512 tokens) train as they are internalized, chunks summed.
 ``--filler-ramp F``: the most filler grows from 0 to N over the first F of the steps (a
 curriculum: reading a lone fact first, then finding it), 0: N from the start.
+``--split-chunks N``: each training document is read as 1..N pieces of about equal length
+(one half the time; the server's ``split_ids``, what ``train d2l --split-chunks`` sends), so
+the pieces' summed LoRAs learn to add up to the answer, as the reference trains.
 ``--train-seconds S`` stops training after S seconds if ``--steps`` are not done by then
 (a run sized to the time left; the receipt's ``steps`` are those done).
 
@@ -109,6 +112,11 @@ def learning(args, model: str, tmp: str) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model)
     train = training_rows(args.steps * args.batch, args.train_filler, args.filler_ramp)
+    if args.split_chunks > 1:  # what train d2l --split-chunks sends
+        from rlcli.data.d2l_examples import split_count
+
+        rng = random.Random(1)
+        train = [dict(r, chunks=split_count(rng, args.split_chunks)) for r in train]
     seen = {(r["question"], r["answer"]) for r in train}  # held out: facts training never saw
     fresh = [r for r in synthetic_facts(4 * args.held_out, seed=12345)
              if (r["question"], r["answer"]) not in seen]  # fmt: skip
@@ -200,6 +208,7 @@ def learning(args, model: str, tmp: str) -> dict:
         "dtype": args.dtype,
         "train_filler_sentences_max": args.train_filler,
         "train_filler_ramp": args.filler_ramp,
+        "train_split_chunks": args.split_chunks,
         "steps": len(losses),
         "steps_asked": args.steps,
         "train_seconds_budget": args.train_seconds or None,
@@ -522,6 +531,10 @@ def main() -> None:
     parser.add_argument(
         "--filler-ramp", type=float, default=0.0,
         help="the most filler grows from 0 over this share of the steps (0: N throughout)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--split-chunks", type=int, default=1,
+        help="training reads each document as 1..N equal pieces (train d2l --split-chunks)",
     )  # fmt: skip
     parser.add_argument(
         "--internalize-docs",

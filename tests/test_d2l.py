@@ -13,6 +13,7 @@ from conftest import cli
 from rlcli.data.d2l_examples import (
     answer_choices,
     read_examples,
+    split_count,
     synthetic_facts,
     synthetic_haystacks,
 )
@@ -46,13 +47,37 @@ def test_a_fresh_hypernet_writes_a_zero_update_and_chunks_add_up():
     with torch.no_grad():
         net.scale_b.fill_(1.0)
         a, b = net(features, mask)
-    merged_a, merged_b = merge_chunks(a, b)  # two chunks of one document -> rank 8
-    assert merged_a.shape == (3, 8, 40) and merged_b.shape == (3, 8, 24)
+        net.bias_b.normal_()  # a trained-like bias LoRA
+    # two chunks of one document -> rank 12: their two blocks, then the bias block once
+    merged_a, merged_b = merge_chunks(a, b, net.bias())
+    assert merged_a.shape == (3, 12, 40) and merged_b.shape == (3, 12, 24)
     x = torch.randn(1, 5, 40)
     layer = 1
     apart = sum(lora_delta(x, a[c : c + 1, layer], b[c : c + 1, layer], 2.0) for c in range(2))
+    apart = apart + lora_delta(x, net.bias_a[layer][None], net.bias_b[layer][None], 2.0)
     together = lora_delta(x, merged_a[layer][None], merged_b[layer][None], 2.0)
     torch.testing.assert_close(together, apart)
+
+
+def test_a_hypernet_saved_in_the_old_layout_keeps_its_bias_in_every_chunk():
+    """Saved before the bias LoRA went once per document, a config has no bias_per_chunk;
+    it loads in that layout, so its adapters are the ones it was trained to make."""
+    saved = small_net().config.to_dict()
+    assert HypernetConfig.from_dict(saved).bias_per_chunk is False
+    del saved["bias_per_chunk"]
+    old = Hypernet(HypernetConfig.from_dict(saved))
+    assert old.config.bias_per_chunk and old.bias() is None
+    new = Hypernet(HypernetConfig.from_dict({**saved, "bias_per_chunk": False}))
+    features, mask = torch.randn(2, 3, 7, 24), torch.ones(2, 7, dtype=torch.long)
+    with torch.no_grad():
+        old.scale_b.fill_(1.0)
+        old.bias_b.normal_()
+        new.load_state_dict(old.state_dict())
+        a, b = old(features, mask)
+        new_a, new_b = new(features, mask)
+    torch.testing.assert_close(a, new_a + old.bias_a)  # the bias in each chunk's rows
+    torch.testing.assert_close(b, new_b + old.bias_b)
+    assert merge_chunks(a, b, old.bias())[0].shape == (3, 8, 40)  # no separate bias block
 
 
 def test_documents_merge_apart():
@@ -66,6 +91,28 @@ def test_documents_merge_apart():
     torch.testing.assert_close(merged_a[0], merge_chunks(a[[0, 2]], b[[0, 2]])[0])
     torch.testing.assert_close(merged_b[1, :, :4], b[1])
     assert merged_a[1, :, 4:].abs().sum() == 0 == merged_b[1, :, 4:].abs().sum()  # padding
+
+
+def test_a_training_split_cuts_equal_pieces_within_the_limits():
+    """``split_ids``: the reference's equal parts, never below MIN_SPLIT_TOKENS, never more
+    than max_chunks, never fewer than chunk_tokens needs; the pieces are the document."""
+    from rlcli.server.engine.d2l import MIN_SPLIT_TOKENS, split_ids
+
+    config = HypernetConfig(
+        base_model="m", n_layers=1, first_layer=0, hidden=4, d_in=4, chunk_tokens=64,
+        max_chunks=6,
+    )  # fmt: skip
+    ids = list(range(100))
+    pieces = split_ids(ids, 4, config)
+    assert [len(p) for p in pieces] == [25, 25, 25, 25] and sum(pieces, []) == ids
+    assert len(split_ids(ids, 8, config)) == 100 // MIN_SPLIT_TOKENS  # none under 25 tokens
+    assert split_ids(ids[:40], 3, config) == [ids[:40]]  # too short to cut in two
+    assert len(split_ids(list(range(64 * 6)), 2, config)) == 6  # as chunk_tokens needs
+    assert len(split_ids(list(range(300)), 64, config)) == 6  # at most max_chunks
+    rng = __import__("random").Random(0)
+    counts = [split_count(rng, 8) for _ in range(2000)]
+    assert 0.45 < counts.count(1) / 2000 < 0.55 and set(counts) == set(range(1, 9))
+    assert {split_count(rng, 1) for _ in range(20)} == {1}
 
 
 def full_forward_adapter(engine, net, chunks: list[list[int]]):
@@ -82,7 +129,7 @@ def full_forward_adapter(engine, net, chunks: list[list[int]]):
         out = engine.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         assert out.logits.shape[:2] == ids.shape
         features = torch.stack(out.hidden_states[1 + net.config.first_layer :], dim=1).float()
-        a, b = merge_chunks(*net(features, mask))
+        a, b = merge_chunks(*net(features, mask), net.bias())
     return a, b * net.scaling
 
 
@@ -105,7 +152,7 @@ def test_internalizing_by_chunk_length_gives_the_full_forwards_adapter(tiny_mode
         chunks = engine.hypernets._document_ids(document, net.config, "document")
         assert len(chunks) >= 3 and len(chunks[-1]) < 16  # full chunks and a shorter last one
         state, config, facts = engine.hypernets.generate(net, document)
-        assert facts["chunks"] == len(chunks) and config.r == 4 * len(chunks)
+        assert facts["chunks"] == len(chunks) and config.r == 4 * (len(chunks) + 1)  # + bias
         a, b = full_forward_adapter(engine, net, chunks)
         first = net.config.first_layer
         assert len(state) == 2 * net.config.n_layers == 2 * (2 - first)
@@ -128,6 +175,21 @@ def test_a_step_whose_chunks_would_not_fit_the_memory_stated_is_refused(tiny_mod
     with pytest.raises(UserError, match=r"examples: 2 documents of \d+ chunks in all; their hid"):
         engine.hypernets.step("h", [example] * 2, 1e-3, 0.0, train=True)
     assert engine.hypernets.training["h"].steps == 0
+
+
+def test_a_step_reads_a_document_split_as_asked(tiny_model):
+    from rlcli.server.engine.core import Engine
+
+    engine = Engine(str(tiny_model), device="cpu", dtype="float32")
+    engine.hypernets.create("h", {**SMALL, "chunk_tokens": 128, "max_chunks": 8}, 0)
+    with torch.no_grad():
+        engine.hypernets.training["h"].net.scale_b.fill_(1.0)  # a trained-like B
+    document = " ".join(f"Kalo{i} lives in city {i}." for i in range(8))  # ~110 tokens
+    example = {"document": document, "question": "Where does Kalo3 live?", "answer": "city 3"}
+    whole = engine.hypernets.step("h", [example], 1e-3, 0.0, train=False)
+    split = engine.hypernets.step("h", [dict(example, chunks=4)], 1e-3, 0.0, train=False)
+    assert whole["chunks"] == 1 and split["chunks"] == 4
+    assert abs(whole["loss"] - split["loss"]) > 1e-3  # four LoRAs summed, not one
 
 
 def test_examples_are_read_by_line_and_synthetic_facts_are_seeded():
@@ -190,7 +252,7 @@ def test_a_fresh_hypernets_adapter_leaves_logprobs_unchanged_and_a_key_is_determ
 
     made = hypernets.internalize(fresh, "Kalo's favorite color is red.", session_key="k")
     assert made["path"].startswith("tinker://") and "/sampler_weights/" in made["path"]
-    assert made["chunks"] == 1 and made["rank"] == 4 and not made["reused"]
+    assert made["chunks"] == 1 and made["rank"] == 8 and not made["reused"]
     again = hypernets.internalize(fresh, "another text, same key", session_key="k")
     assert again["path"] == made["path"] and again["reused"]  # not recomputed
     other = hypernets.internalize(fresh, "Kalo's favorite color is red.", session_key="k2")
@@ -242,9 +304,10 @@ def test_a_document_of_several_chunks_trains_as_it_is_internalized(hypernets, se
     trained = hypernets.step(hid, [example, short], 5e-2)
     assert trained["steps"] == 1 and trained["grad_norm"] > 0
     loss = hypernets.step(hid, [example], 1e-9, train=False)["loss"]
+    split = hypernets.step(hid, [dict(example, chunks=2)], 1e-9, train=False)  # 28 + 27 tokens
     adapter = hypernets.internalize(hid, document)
     hypernets.remove(hid)
-    assert adapter["chunks"] == 2 and adapter["rank"] == 2 * SMALL["rank"]
+    assert adapter["chunks"] == 2 and adapter["rank"] == 3 * SMALL["rank"]  # 2 chunks, bias
     prompt = prompt_tokens(tiny_model, example["question"])
     ids = prompt + tok(example["answer"], add_special_tokens=False)["input_ids"]
     ids.append(end_of_turn_id(tok))
@@ -257,6 +320,9 @@ def test_a_document_of_several_chunks_trains_as_it_is_internalized(hypernets, se
     base = answer_nll(service.create_sampling_client(base_model=str(tiny_model)).result())
     assert adapted == pytest.approx(loss, abs=1e-3)
     assert abs(adapted - base) > 1e-3
+    # "chunks" reads the 55 tokens as two equal pieces, not 32 + 23: another adapter (the
+    # engine test below sees how far apart; here the route passes it, on a deterministic CPU)
+    assert split["chunks"] == 2 and split["loss"] != loss
 
 
 def test_refusals_name_the_field(hypernets, fresh, server, service):
@@ -324,11 +390,13 @@ def test_train_d2l_runs_resumes_and_its_hypernet_internalizes(tmp_path, server, 
     assert path.split("/")[2] == summary["hypernet_path"].split("/")[2]  # the same id
     grown = cli("train", "d2l", "--model", str(tiny_model), "--base-url", server.base_url,
                 "--dataset", "synthetic:4", "--batch-size", "4", "--init-checkpoint", path,
+                "--filler", "12", "--split-chunks", "8",
                 "--log-path", str(tmp_path / "grown"), "--json")  # fmt: skip
     assert grown.returncode == 0, grown.stderr[-3000:]
     assert json.loads(grown.stdout)["hypernet_path"].split("/")[2] != path.split("/")[2]
     first = json.loads((tmp_path / "grown" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["steps"] == 4  # the 3 steps it started from, then its own
+    assert first["chunks"] > 4  # 4 documents, some read in pieces (--split-chunks)
     doc = tmp_path / "doc.txt"
     doc.write_text("Kalo's favorite color is red.")
     made = cli("hypernet", "internalize", str(doc), "--hypernet", path,
@@ -346,6 +414,19 @@ def test_train_d2l_runs_resumes_and_its_hypernet_internalizes(tmp_path, server, 
     refused = cli("hypernet", "internalize", str(doc), "--hypernet", adapter,
                   "--base-url", server.base_url)  # fmt: skip
     assert refused.returncode == 1 and "a LoRA adapter" in refused.stderr
+
+
+def test_split_chunks_draws_each_documents_pieces_from_the_steps_seed():
+    from rlcli.recipes.d2l import Loop
+
+    loop = Loop.__new__(Loop)  # batch() only: no server
+    loop.examples = synthetic_facts(8, seed=3)
+    loop.plan = {"batches_per_epoch": 2}
+    loop.opts = {"batch_size": 4, "seed": 0, "split_chunks": 8}
+    rows = loop.batch(1)
+    assert rows == loop.batch(1) and all(1 <= r["chunks"] <= 8 for r in rows)  # a resume's
+    loop.opts["split_chunks"] = 1
+    assert all("chunks" not in r for r in loop.batch(1))  # as internalizing reads them
 
 
 def test_dry_run_plans_and_a_bad_dataset_is_named(tmp_path, tiny_model):

@@ -97,7 +97,7 @@ def test_internalize_hypernet_cli_prints_the_adapter_and_a_key_reuses_it(
     path = summary["sampler_path"]
     assert path.startswith("tinker://") and "/sampler_weights/" in path
     assert summary["document"] == str(document) and summary["hypernet"] == fresh
-    assert summary["reused"] is False and summary["chunks"] == 1 and summary["rank"] == 4
+    assert summary["reused"] is False and summary["chunks"] == 1 and summary["rank"] == 8
     assert summary["expires_at"] is not None  # the default TTL: a day
     again = cli(*args, "--session-key", "kalo-v1", "--json")  # --model is optional
     assert json.loads(again.stdout)["sampler_path"] == path

@@ -119,6 +119,13 @@ def synthetic_haystacks(n: int, seed: int = 0, most: int = 0) -> list[dict]:
     ]
 
 
+def split_count(rng: random.Random, most: int) -> int:
+    """How many pieces training reads a document as (the server's ``split_ids``): one half
+    the time, else 2..``most`` evenly, after the reference's ``num_chunk_probs`` (one: 0.5,
+    two: 0.125, three to eight: 0.0625 each)."""
+    return 1 if most < 2 or rng.random() < 0.5 else rng.randint(2, most)
+
+
 def answer_choices(question: str) -> tuple[str, ...] | None:
     """The closed set a synthetic question's answer comes from (None: not one of ours)."""
     for _, template, answers in FACTS:

@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlcli.data.d2l_examples import SYNTHETIC, read_examples, synthetic_haystacks
+from rlcli.data.d2l_examples import SYNTHETIC, read_examples, split_count, synthetic_haystacks
 from rlcli.errors import RlcliError
 from rlcli.flags import option, retune
 from rlcli.recipes import base
@@ -60,6 +60,13 @@ class D2LOptions(TrainOptions):
         min=0,
     )
     l1: float = option(0.0, "L1 penalty on the generated LoRA weights.", min=0)
+    split_chunks: int = option(
+        1,
+        "Training reads each document as 1..N pieces of about equal length (one half the "
+        "time, else 2..N; none under 25 tokens), as the reference trains, so a long "
+        "document's chunk LoRAs add up to the answer; 1: as internalizing reads it.",
+        min=1,
+    )
     filler: int = option(
         0,
         "synthetic:N only: each fact hidden among 0..N filler sentences, drawn per document "
@@ -184,12 +191,18 @@ class Loop:
         self.client = Hypernets(self.opts["base_url"])
 
     def batch(self, step: int) -> list[dict]:
-        """Step ``step``'s examples: each epoch its own seeded order, full batches only."""
+        """Step ``step``'s examples: each epoch its own seeded order, full batches only, each
+        document's split (``--split-chunks``) drawn from the step's seed."""
         per_epoch, size = self.plan["batches_per_epoch"], self.opts["batch_size"]
         epoch, index = divmod(step, per_epoch)
         order = list(range(len(self.examples)))
         random.Random(self.opts["seed"] * 1_000_003 + epoch).shuffle(order)
-        return [self.examples[i] for i in order[index * size : (index + 1) * size]]
+        rows = [self.examples[i] for i in order[index * size : (index + 1) * size]]
+        most = self.opts.get("split_chunks", 1)
+        if most < 2:
+            return rows
+        rng = random.Random(self.opts["seed"] * 7_919 + step)
+        return [dict(row, chunks=split_count(rng, most)) for row in rows]
 
     def start(self) -> tuple[str, int, list[dict]]:
         """The hypernetwork to train and the step to start at (a resume: the last save's)."""

@@ -18,6 +18,7 @@ is written through ``checkpoints.write_files``, so invariant 3 holds for it too.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -45,6 +46,8 @@ MAX_LOADED = 4  # hypernetworks read from checkpoints, kept loaded for internali
 # of 8 documents of 8 chunks on SmolLM2's 30 layers is 4.5 GB. Above this, refused.
 MAX_STEP_FEATURE_BYTES = 4 << 30
 TARGET = "down_proj"
+# A training split's shortest piece, in tokens (the reference's ``min_ctx_chunk_len``).
+MIN_SPLIT_TOKENS = 25
 
 
 @dataclass
@@ -112,7 +115,10 @@ class Hypernets:
         hosted = self._training(hypernet_id)
         net = hosted.net
         started = time.perf_counter()
-        docs = [self._document_ids(e["document"], net.config, "examples") for e in examples]
+        docs = [
+            self._document_ids(e["document"], net.config, "examples", e.get("chunks"))
+            for e in examples
+        ]
         pairs = [(c, i) for i, doc in enumerate(docs) for c in doc]  # (chunk, its document)
         size = len(pairs) * net.config.n_layers * net.config.hidden * 4
         size *= max(len(c) for c, _ in pairs)
@@ -131,7 +137,7 @@ class Hypernets:
             a, b = net(features, mask)
             a, b = a.float(), b.float()
             penalty = net.weight_l1(a, b)
-            a, b = merge_documents(a, b, owners)  # as generate() merges a document's chunks
+            a, b = merge_documents(a, b, owners, net.bias())  # as generate() merges them
             ce, tokens = self._answer_loss(examples, a, b, net.scaling, first)
             loss = ce + l1 * penalty
         if train:
@@ -154,6 +160,7 @@ class Hypernets:
             "l1": float(penalty.detach()),
             "grad_norm": float(norm),
             "answer_tokens": tokens,
+            "chunks": len(pairs),  # the documents' chunks read (split ones: their pieces)
             "steps": hosted.steps,
             "seconds": time.perf_counter() - started,
         }
@@ -211,9 +218,11 @@ class Hypernets:
         return hooked()
 
     # ---- reading a document -------------------------------------------------------------------
-    def _document_ids(self, text: str, config: HypernetConfig, field: str) -> list[list[int]]:
+    def _document_ids(
+        self, text: str, config: HypernetConfig, field: str, pieces: int | None = None
+    ) -> list[list[int]]:
         """The document's tokens in chunks of at most ``chunk_tokens``; refused when empty or
-        longer than ``max_chunks`` chunks."""
+        longer than ``max_chunks`` chunks. ``pieces`` (training): ``split_ids`` instead."""
         ids = self.engine.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise UserError(f"{field}: the document has no tokens")
@@ -225,7 +234,7 @@ class Hypernets:
                 f"{size}; this hypernetwork takes at most {config.max_chunks} "
                 f"({config.max_chunks * size} tokens)"
             )
-        return chunks
+        return split_ids(ids, pieces, config) if pieces else chunks
 
     def _qa_ids(self, question: str, answer: str) -> tuple[list[int], int]:
         """The question as a chat prompt, then the answer and the end of turn: (tokens, where
@@ -383,7 +392,7 @@ class Hypernets:
             read = time.perf_counter()
             features, mask = self._features(chunks, net.config.first_layer, by_length=True)
             made = time.perf_counter()
-            a, b = merge_chunks(*net(features, mask))
+            a, b = merge_chunks(*net(features, mask), net.bias())
             done = time.perf_counter()
         rank = a.shape[1]
         # The scale is folded into B (alpha = rank: peft's scale is 1), so the chunks' summed
@@ -436,3 +445,16 @@ class Hypernets:
         if hosted is None:
             raise UserError(f"unknown hypernet_id {hypernet_id!r}")
         return hosted
+
+
+def split_ids(ids: list[int], pieces: int, config: HypernetConfig) -> list[list[int]]:
+    """A training document's tokens as ``pieces`` runs of about equal length: the reference's
+    training split (``split_too_long_ctx``: a chunk count drawn per document, equal parts), so
+    a document read as one chunk and as eight must give the same answer, and the LoRAs of a
+    haystack's filler chunks learn to add little. As many pieces as ``chunk_tokens`` needs at
+    least; at most ``max_chunks``, and none shorter than ``MIN_SPLIT_TOKENS`` (one piece
+    when the document is shorter than two)."""
+    least = math.ceil(len(ids) / config.chunk_tokens)
+    n = max(least, min(pieces, config.max_chunks, len(ids) // MIN_SPLIT_TOKENS))
+    per = math.ceil(len(ids) / n)
+    return [ids[i : i + per] for i in range(0, len(ids), per)]

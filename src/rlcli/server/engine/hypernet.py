@@ -12,11 +12,12 @@ and training grows it from there.
 
 A long document is cut into chunks of at most ``chunk_tokens``; each chunk gets its own rank-r
 LoRA and the chunks' LoRAs are joined along the rank (``merge_chunks``, the reference's
-``lora_merger.py``): the sum of the chunks' updates. Because the latents are normalised, every
-chunk's update has about the same size, so a haystack's filler chunks add as much as the chunk
-with the needle: on SmolLM2, 2 chunks are fine and 4 garble the answer (docs/d2l.md). A gate
-per row (a sigmoid of the latent) was tried and dropped: two SmolLM2 hypernetworks with it did
-not learn to read a bare fact in the 400 steps one without it needed.
+``lora_merger.py``): the sum of the chunks' updates, plus one more rank-r block, the learned
+bias LoRA, once per document (as the reference's ``combine_lora`` places it). Hypernetworks
+saved before 2026-12-05 added the bias to every chunk's rows (``bias_per_chunk``): n chunks
+counted it n times, with cross terms, and 4 chunks garbled SmolLM2's answers; they load and
+internalize as they were trained. Training reads documents split into 1..8 pieces
+(``d2l.split_ids``) so that the chunks' updates learn to add up.
 
 This module is pure torch on tensors (no engine, no files), so its tests need no model.
 """
@@ -47,12 +48,15 @@ class HypernetConfig:
     alpha: float = 16.0  # the LoRA scale is alpha / rank, per chunk
     chunk_tokens: int = 512
     max_chunks: int = 8  # the longest document: max_chunks * chunk_tokens tokens
+    bias_per_chunk: bool = False  # True: the layout before 2026-12-05 (bias in every chunk)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> HypernetConfig:
+        """A saved config; one without ``bias_per_chunk`` was saved in the old layout."""
+        values = {"bias_per_chunk": True, **values}
         return cls(**{k: values[k] for k in cls.__dataclass_fields__ if k in values})
 
 
@@ -120,33 +124,47 @@ class Hypernet(nn.Module):
         latents = latents / latents.norm(dim=-1, keepdim=True).clamp_min(1e-6)
         rows = torch.einsum("blrd,ldo->blro", latents, self.head)
         a, b = rows.split([self.config.d_in, self.config.hidden], dim=-1)
-        return a * self.scale_a + self.bias_a, b * self.scale_b + self.bias_b
+        a, b = a * self.scale_a, b * self.scale_b
+        if self.config.bias_per_chunk:
+            return a + self.bias_a, b + self.bias_b
+        return a, b
+
+    def bias(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The bias LoRA ([layers, rank, _] each) that a document's merged LoRA adds once;
+        None for the old layout, whose chunks carry it."""
+        return None if self.config.bias_per_chunk else (self.bias_a, self.bias_b)
 
     def weight_l1(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Mean absolute generated weight: the reference's penalty keeps adapters small."""
         return a.abs().mean() + b.abs().mean()
 
 
-def merge_chunks(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunks of one document ([chunks, layers, rank, _]) as one LoRA ([layers, chunks *
-    rank, _]): concatenated along the rank, so the update is the sum of the chunks' updates."""
+Bias = tuple[torch.Tensor, torch.Tensor] | None  # Hypernet.bias(): [layers, rank, _] each
+
+
+def merge_chunks(
+    a: torch.Tensor, b: torch.Tensor, bias: Bias = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks of one document ([chunks, layers, rank, _]) as one LoRA ([layers, (chunks
+    + 1) * rank, _], or chunks * rank without a ``bias``): concatenated along the rank, so the
+    update is the sum of the chunks' updates and the bias LoRA's."""
     c, n, r, _ = a.shape
-    return (
-        a.permute(1, 0, 2, 3).reshape(n, c * r, -1),
-        b.permute(1, 0, 2, 3).reshape(n, c * r, -1),
-    )
+    a, b = a.permute(1, 0, 2, 3).reshape(n, c * r, -1), b.permute(1, 0, 2, 3).reshape(n, c * r, -1)
+    if bias is None:
+        return a, b
+    return torch.cat([a, bias[0].to(a.dtype)], dim=1), torch.cat([b, bias[1].to(b.dtype)], dim=1)
 
 
 def merge_documents(
-    a: torch.Tensor, b: torch.Tensor, owners: list[int]
+    a: torch.Tensor, b: torch.Tensor, owners: list[int], bias: Bias = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunks of several documents ([chunks, layers, rank, _], ``owners[i]``: chunk i's
-    document) -> one LoRA per document ([documents, layers, most chunks * rank, _]): each
+    document) -> one LoRA per document ([documents, layers, rank, _]): each
     ``merge_chunks``'d, a document of fewer chunks padded with zero rows (they add nothing)."""
     merged = []
     for doc in range(max(owners) + 1):
         at = [i for i, o in enumerate(owners) if o == doc]
-        merged.append(merge_chunks(a[at], b[at]))
+        merged.append(merge_chunks(a[at], b[at], bias))
     rank = max(ma.shape[1] for ma, _ in merged)
 
     def pad(t: torch.Tensor) -> torch.Tensor:

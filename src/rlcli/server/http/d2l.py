@@ -52,6 +52,10 @@ class Example(Body):
     document: Text
     question: Annotated[str, Field(min_length=1, max_length=100_000)]
     answer: Annotated[str, Field(min_length=1, max_length=100_000)]
+    # Training: read the document as this many pieces of about equal length (the engine's
+    # split_ids), so the hypernetwork learns how its chunks' LoRAs add up. Default: as
+    # internalizing reads it, chunks of chunk_tokens.
+    chunks: Annotated[int, Field(ge=1, le=64)] | None = None
 
 
 class Step(Body):
