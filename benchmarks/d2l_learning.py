@@ -241,19 +241,11 @@ def saved_shape(keep: Path, path: str) -> dict:
 
 
 def training_rows(n: int, filler: int, ramp: float = 0.0) -> list[dict]:
-    """``n`` training documents; with ``filler``, each hides its fact among 0..filler filler
-    sentences (seeded; a run with ``filler`` 0 trains on today's one-sentence documents),
-    the most growing linearly from 0 over the first ``ramp`` of them."""
-    from rlcli.data.d2l_examples import synthetic_facts, synthetic_haystacks
+    """``n`` training documents, as ``train d2l --dataset synthetic:N --filler F --filler-ramp
+    R`` makes them (seed 0; ``filler`` 0: one-sentence documents)."""
+    from rlcli.data.d2l_examples import synthetic_haystacks
 
-    if not ramp:
-        return synthetic_haystacks(n, seed=0, most=filler)  # what train d2l --filler makes
-    rng = random.Random(0)
-    rows = []
-    for i in range(n):
-        most = round(filler * min(1.0, i / (ramp * n)))
-        rows.append(synthetic_facts(1, seed=rng.getrandbits(32), filler=rng.randint(0, most))[0])
-    return rows
+    return synthetic_haystacks(n, seed=0, most=filler, ramp=ramp)
 
 
 def model_window(model: str) -> int:

@@ -427,6 +427,11 @@ def test_split_chunks_draws_each_documents_pieces_from_the_steps_seed():
     assert rows == loop.batch(1) and all(1 <= r["chunks"] <= 8 for r in rows)  # a resume's
     loop.opts["split_chunks"] = 1
     assert all("chunks" not in r for r in loop.batch(1))  # as internalizing reads them
+    loop.opts["filler_ramp"] = 0.5  # a curriculum: the first epoch in the documents' order
+    assert loop.batch(0) + loop.batch(1) == loop.examples and loop.batch(2) != loop.examples[:4]
+    ramped = synthetic_haystacks(400, seed=0, most=40, ramp=0.5)
+    fillers = [r["document"].count(".") - 1 for r in ramped]  # sentences around the fact
+    assert max(fillers[:20]) <= 4 and max(fillers[200:]) > 30  # growing, then up to 40
 
 
 def test_dry_run_plans_and_a_bad_dataset_is_named(tmp_path, tiny_model):

@@ -106,17 +106,20 @@ def synthetic_facts(n: int, seed: int = 0, filler: int = 0) -> list[dict]:
     return rows
 
 
-def synthetic_haystacks(n: int, seed: int = 0, most: int = 0) -> list[dict]:
+def synthetic_haystacks(n: int, seed: int = 0, most: int = 0, ramp: float = 0.0) -> list[dict]:
     """``n`` one-fact documents, each hiding its fact among 0..``most`` filler sentences drawn
     per document (0: ``synthetic_facts``' bare facts). Varied lengths are what taught
-    SmolLM2's hypernetwork to find the fact (docs/d2l.md, "Measured")."""
+    SmolLM2's hypernetwork to find the fact (docs/d2l.md, "Measured"). ``ramp``: the most
+    grows linearly from 0 over the first ``ramp`` of the documents (a curriculum, in order)."""
     if not most:
         return synthetic_facts(n, seed=seed)
     rng = random.Random(seed)
-    return [
-        synthetic_facts(1, seed=rng.getrandbits(32), filler=rng.randint(0, most))[0]
-        for _ in range(n)
-    ]
+    rows = []
+    for i in range(n):
+        at_most = round(most * min(1.0, i / (ramp * n))) if ramp else most
+        seeded = rng.getrandbits(32)
+        rows.append(synthetic_facts(1, seed=seeded, filler=rng.randint(0, at_most))[0])
+    return rows
 
 
 def split_count(rng: random.Random, most: int) -> int:

@@ -73,6 +73,12 @@ class D2LOptions(TrainOptions):
         "(a haystack; 64 is about one 512-token chunk).",
         min=0,
     )
+    filler_ramp: float = option(
+        0.0,
+        "synthetic:N with --filler: the most filler grows from 0 to --filler over this share "
+        "of the documents, which the first epoch reads in order (a curriculum); 0: none.",
+        min=0,
+    )
     init_checkpoint: str | None = option(
         None,
         "Start from this hypernetwork (tinker://ID/hypernet_weights/NAME: its weights, its "
@@ -94,7 +100,9 @@ def load_examples(opts: D2LOptions, run_dir: Path, stdin) -> list[dict]:
         count = opts.dataset.removeprefix(SYNTHETIC)
         if not count.isdigit() or int(count) < 1:
             raise RlcliError(f"--dataset {opts.dataset}: synthetic:N takes a count N >= 1")
-        return synthetic_haystacks(int(count), seed=opts.seed, most=opts.filler)
+        return synthetic_haystacks(
+            int(count), seed=opts.seed, most=opts.filler, ramp=opts.filler_ramp
+        )
     return base.read_input(opts.dataset, run_dir / EXAMPLES_FILE, stdin, read_examples)[0]
 
 
@@ -128,6 +136,8 @@ class D2L(Recipe):
         from rlcli.recipes.preflight import check_model_arg
 
         check_model_arg(opts.model)
+        if opts.filler_ramp > 1:
+            raise RlcliError(f"--filler-ramp {opts.filler_ramp}: a share of the documents, 0..1")
         if opts.init_checkpoint:
             from rlcli.client.d2l import check_hypernet_path
 
@@ -191,12 +201,14 @@ class Loop:
         self.client = Hypernets(self.opts["base_url"])
 
     def batch(self, step: int) -> list[dict]:
-        """Step ``step``'s examples: each epoch its own seeded order, full batches only, each
-        document's split (``--split-chunks``) drawn from the step's seed."""
+        """Step ``step``'s examples: each epoch its own seeded order (the first in the
+        documents' own under ``--filler-ramp``), full batches only, each document's split
+        (``--split-chunks``) drawn from the step's seed."""
         per_epoch, size = self.plan["batches_per_epoch"], self.opts["batch_size"]
         epoch, index = divmod(step, per_epoch)
         order = list(range(len(self.examples)))
-        random.Random(self.opts["seed"] * 1_000_003 + epoch).shuffle(order)
+        if epoch or not self.opts.get("filler_ramp"):
+            random.Random(self.opts["seed"] * 1_000_003 + epoch).shuffle(order)
         rows = [self.examples[i] for i in order[index * size : (index + 1) * size]]
         most = self.opts.get("split_chunks", 1)
         if most < 2:
