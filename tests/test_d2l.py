@@ -192,6 +192,25 @@ def test_a_step_reads_a_document_split_as_asked(tiny_model):
     assert abs(whole["loss"] - split["loss"]) > 1e-3  # four LoRAs summed, not one
 
 
+def test_a_step_backpropagates_only_through_the_adapted_layers(tiny_model):
+    """With the last layer adapted, the backward pass stops there: nothing reaches layer 0
+    (the engine's model makes its input embeddings require grad, which once ran it through
+    every layer)."""
+    from rlcli.server.engine.core import Engine
+
+    engine = Engine(str(tiny_model), device="cpu", dtype="float32")
+    engine.hypernets.create("h", {**SMALL, "lora_layers": 1}, 0)
+    reached = []
+    layers = engine.hypernets._layers()
+    hooks = [layer.register_full_backward_hook(lambda *_, i=i: reached.append(i))
+             for i, layer in enumerate(layers)]  # fmt: skip
+    example = {"document": "Kalo plays the harp.", "question": "What?", "answer": "harp"}
+    out = engine.hypernets.step("h", [example], 1e-3, 0.0, train=True)
+    for h in hooks:
+        h.remove()
+    assert out["grad_norm"] > 0 and set(reached) == {len(layers) - 1}
+
+
 def test_examples_are_read_by_line_and_synthetic_facts_are_seeded():
     rows = read_examples(
         ['{"document": "d", "question": "q", "answer": "a"}',

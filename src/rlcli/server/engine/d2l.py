@@ -203,12 +203,22 @@ class Hypernets:
 
             return add
 
+        def cut(module, args, kwargs):
+            """Detach the states entering the first adapted layer: the engine's model makes
+            its input embeddings require grad (transformers' ``enable_input_require_grads``),
+            so without this the backward ran through every layer below, for nothing (a
+            SmolLM2 step with the last 4 of 30 layers adapted: 1.4 s, ~2/3 of it there)."""
+            if args:
+                return (args[0].detach(), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": kwargs["hidden_states"].detach()}
+
         @contextlib.contextmanager
         def hooked():
             handles = [
                 getattr(layer.mlp, TARGET).register_forward_hook(hook(i))
                 for i, layer in enumerate(layers)
             ]
+            handles.append(layers[0].register_forward_pre_hook(cut, with_kwargs=True))
             try:
                 yield
             finally:
