@@ -61,7 +61,7 @@ class D2LOptions(TrainOptions):
     )
     l1: float = option(0.0, "L1 penalty on the generated LoRA weights.", min=0)
     split_chunks: int = option(
-        1,
+        8,
         "Training reads each document as 1..N pieces of about equal length (one half the "
         "time, else 2..N; none under 25 tokens), as the reference trains, so a long "
         "document's chunk LoRAs add up to the answer; 1: as internalizing reads it.",
