@@ -190,19 +190,32 @@ def test_a_client_that_hangs_up_frees_its_row_and_nobody_else_notices(client, se
     assert "client gone; its rows leave the batch" in log
 
 
-def test_an_openai_request_joins_a_running_tinker_batch(client, service, tiny_model):
-    """A short chat request arriving while a long Tinker sample decodes is answered long before
-    that sample ends (it joined the running batch instead of waiting for it)."""
+def test_a_tinker_request_joins_a_running_openai_batch(client, service, tiny_model):
+    """A short Tinker sample arriving while a long /v1 completion decodes is answered long
+    before that completion ends (it joined the running batch instead of waiting for it). The
+    long one is /v1's because only /v1 can ignore EOS (vLLM's ``ignore_eos``): a long Tinker
+    sample of the random tiny model ends at its first EOS, once in 0.5 s, before the short
+    request's answer."""
     from tinker import types
 
-    sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
-    params = types.SamplingParams(max_tokens=3500, temperature=1.0, seed=1, stop=["<never>"])
-    long = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, params)
+    long = {}
+
+    def decode() -> None:
+        long["out"] = client.completions.create(
+            model=str(tiny_model), prompt="a b c", max_tokens=3500, temperature=1.0, seed=1,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+
+    thread = threading.Thread(target=decode)
+    thread.start()
     time.sleep(0.5)
-    short = client.chat.completions.create(model=str(tiny_model), messages=HELLO, max_tokens=4)
-    assert short.choices[0].finish_reason in ("length", "stop")
-    assert not long.future().done()  # still decoding: the chat request did not wait for it
-    assert len(long.result().sequences[0].tokens) > 100
+    sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
+    params = types.SamplingParams(max_tokens=4, temperature=0.0)
+    short = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, params).result()
+    assert len(short.sequences[0].tokens) >= 1
+    assert thread.is_alive()  # still decoding: the Tinker request did not wait for it
+    thread.join(timeout=120)
+    assert long["out"].usage.completion_tokens == 3500
 
 
 def test_curl_sees_server_sent_events(server, tiny_model):
