@@ -5,6 +5,7 @@ sampling the adapter through the SDK, and the refusals."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -109,7 +110,7 @@ def test_a_training_split_cuts_equal_pieces_within_the_limits():
     assert split_ids(ids[:40], 3, config) == [ids[:40]]  # too short to cut in two
     assert len(split_ids(list(range(64 * 6)), 2, config)) == 6  # as chunk_tokens needs
     assert len(split_ids(list(range(300)), 64, config)) == 6  # at most max_chunks
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     counts = [split_count(rng, 8) for _ in range(2000)]
     assert 0.45 < counts.count(1) / 2000 < 0.55 and set(counts) == set(range(1, 9))
     assert {split_count(rng, 1) for _ in range(20)} == {1}
