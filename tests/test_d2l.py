@@ -195,8 +195,8 @@ def test_a_step_reads_a_document_split_as_asked(tiny_model):
 
 def test_a_step_backpropagates_only_through_the_adapted_layers(tiny_model):
     """With the last layer adapted, the backward pass stops there: nothing reaches layer 0
-    (transformers' checkpointing made the engine's input embeddings require grad, which ran
-    it through every layer; the engine turns that off), and nothing below is kept after."""
+    (the engine's model makes its input embeddings require grad, which once ran it through
+    every layer), and nothing of the layers below is kept after the step."""
     from rlcli.server.engine.core import Engine
 
     engine = Engine(str(tiny_model), device="cpu", dtype="float32")

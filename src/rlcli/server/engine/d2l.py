@@ -203,12 +203,24 @@ class Hypernets:
 
             return add
 
+        def plain(module, inputs, output):
+            """The embeddings without grad: the engine's model makes them require it
+            (transformers' ``enable_input_require_grads``, for its LoRA training), so the
+            question's pass built a graph through every layer and the backward ran it all
+            (a SmolLM2 step with the last 4 of 30 layers adapted: 1.39 s; 0.69 s without).
+            Without it, the graph starts at the first adapted layer's LoRA. (Detaching at
+            that layer instead left the graph below it unreachable but alive: 0.3 GB a
+            step.) Runs after that hook, registered after it."""
+            return output.detach()
+
         @contextlib.contextmanager
         def hooked():
             handles = [
                 getattr(layer.mlp, TARGET).register_forward_hook(hook(i))
                 for i, layer in enumerate(layers)
             ]
+            embed = self.engine.model.get_input_embeddings()
+            handles.append(embed.register_forward_hook(plain))
             try:
                 yield
             finally:
